@@ -1,0 +1,106 @@
+"""Shared test helpers: free ports, scripts run as real subprocesses, tiny MNIST."""
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # so tests can import the scripts' classes
+
+
+def free_port():
+    """A port the OS says is free now (never a hard-coded one)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Run:
+    """One script started as a user would, in its own process group."""
+
+    def __init__(self, script, args, cwd, env=None):
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(
+            [sys.executable, str(ROOT / script), *map(str, args)],
+            cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            start_new_session=True,  # so a test can signal the whole group, and kill it if it hangs
+        )
+        self.out = self.err = ""
+        self.seconds = None
+
+    @property
+    def pid(self):
+        return self.proc.pid
+
+    def wait(self, timeout=120):
+        """Wait for the exit; a hang is killed and fails the test."""
+        try:
+            self.out, self.err = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            self.out, self.err = self.proc.communicate()
+            pytest.fail(f"still running after {timeout} s\nstdout:\n{self.out[-3000:]}\nstderr:\n{self.err[-3000:]}")
+        self.seconds = time.monotonic() - self.started
+        return self
+
+    @property
+    def returncode(self):
+        return self.proc.returncode
+
+    def kill(self):
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def __repr__(self):
+        return f"exit {self.returncode} after {self.seconds} s\nstdout:\n{self.out[-4000:]}\nstderr:\n{self.err[-4000:]}"
+
+
+@pytest.fixture
+def run(tmp_path):
+    """run(script, *args) starts a script; every process it started is killed at teardown."""
+    started = []
+
+    def start(script, *args, env=None):
+        proc = Run(script, args, cwd=tmp_path, env=env)
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        proc.kill()
+        proc.proc.wait()
+
+
+def write_idx(raw_dir, split, images, labels):
+    with open(raw_dir / f"{split}-images-idx3-ubyte", "wb") as f:
+        f.write(struct.pack(">IIII", 2051, len(images), 28, 28) + images.numpy().tobytes())
+    with open(raw_dir / f"{split}-labels-idx1-ubyte", "wb") as f:
+        f.write(struct.pack(">II", 2049, len(labels)) + labels.numpy().tobytes())
+
+
+@pytest.fixture(scope="session")
+def tiny_mnist(tmp_path_factory):
+    """An MNIST root with 64 train and 32 test 28x28 images, in the raw IDX
+    form that torchvision.datasets.MNIST(download=False) reads."""
+    root = tmp_path_factory.mktemp("mnist")
+    raw = root / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    gen = torch.Generator().manual_seed(0)
+    for split, count in (("train", 64), ("t10k", 32)):
+        labels = torch.arange(count, dtype=torch.uint8) % 10
+        # Each digit class lights its own band of rows, so the set is learnable.
+        images = torch.randint(0, 60, (count, 28, 28), dtype=torch.uint8, generator=gen)
+        for i, label in enumerate(labels.tolist()):
+            images[i, 2 * label + 4: 2 * label + 8, 4:24] = 255
+        write_idx(raw, split, images, labels)
+    return root
