@@ -30,7 +30,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import optim
 from torch.distributed.optim import DistributedOptimizer
-from torchvision import datasets, transforms
 
 PS_NAME = "parameter_server"
 TRAINER_NAME = "trainer_{}"
@@ -269,6 +268,10 @@ MNIST_FILES = [
 
 def load_mnist(args, rank):
     """Train and test loaders; --train_samples/--test_samples keep the first N."""
+    # Imported here, not at the top: torchvision takes ~2 s to import, and of
+    # all the processes only the trainers read MNIST.
+    from torchvision import datasets, transforms
+
     transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize((0.1307,), (0.3081,))])
     try:
         train_set = datasets.MNIST(args.data_dir, train=True, download=args.download, transform=transform)
@@ -394,6 +397,12 @@ def _init_rpc(name, rank, world_size, args):
                 f"there. Another run (or another program) holds it: stop it, or pick a free port with "
                 f"--master_port for every rank."
             ) from exc
+        if "connectFullMesh" in str(exc):
+            raise RankFailure(
+                f"the processes met at {where} but could not connect to each other ({str(exc).splitlines()[0]}). "
+                f"On several machines, pass --ifname with the interface that reaches the others, and let TCP "
+                f"through the firewalls between them."
+            ) from exc
         raise
     finally:
         watchdog.cancel()
@@ -471,15 +480,27 @@ def _exit_with_report(rank, message, exc=None):
     os._exit(1)  # rpc and its threads cannot be trusted to wind down after a failure
 
 
+def _quiet_known_warnings():
+    """Hide two known-harmless warnings that torch.distributed prints on every run."""
+    # rpc's own internal use of a gloo Backend object:
+    warnings.filterwarnings("ignore", message=r"You are using a Backend .* as a ProcessGroup")
+    # DistributedOptimizer still runs on the deprecated TorchScript functional
+    # optimizers, and torch forces that warning on with simplefilter("always"),
+    # so no filter reaches it: drop it where it is shown.
+    show = warnings.showwarning
+
+    def showwarning(message, *args, **kwargs):
+        if "`TorchScript` support for functional optimizers is deprecated" not in str(message):
+            show(message, *args, **kwargs)
+
+    warnings.showwarning = showwarning
+
+
 def _rank_main(rank, args, parent_pid=None):
     """Entry point of one rank's process, from the launcher or the command line."""
     if args.debug:
         os.environ["RPC_EXAMPLE_DEBUG"] = "1"
-    # Two known-harmless warnings from inside torch.distributed, on every run:
-    # rpc's internal use of a gloo Backend object, and DistributedOptimizer's
-    # TorchScript functional optimizers (deprecated, still what it runs on).
-    warnings.filterwarnings("ignore", message=r"You are using a Backend .* as a ProcessGroup")
-    warnings.filterwarnings("ignore", message=r"`TorchScript` support for functional optimizers is deprecated")
+    _quiet_known_warnings()
     if parent_pid is not None:
         # A launcher killed with SIGKILL cannot stop its ranks; they stop themselves.
         def exit_with_parent():

@@ -8,6 +8,8 @@ run's ms per batch over the single-process one.
     python benchmarks/bench_parameter_server.py [--seed 0] [--world_size 2]
 """
 import argparse
+import contextlib
+import io
 import os
 import re
 import subprocess
@@ -27,7 +29,8 @@ import rpc_parameter_server as ps  # noqa: E402
 def single_process(args):
     """The tutorial's Net, data and optimizer, with no RPC in between."""
     torch.manual_seed(args.seed)
-    model = ps.Net()
+    with contextlib.redirect_stdout(io.StringIO()):  # Net's "Putting ... on cpu" lines
+        model = ps.Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.03)
     train_loader, test_loader = ps.load_mnist(args, rank=1)
     model.train()
@@ -48,6 +51,7 @@ def main():
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--world_size", type=int, default=2)
     parser.add_argument("--data_dir", default=None, help="an MNIST root; default: built from ../shared/data/mnist_t10k")
+    parser.add_argument("--repeats", type=int, default=2, help="rounds of (single, RPC); each side keeps its fastest")
     bench = parser.parse_args()
 
     data_dir = bench.data_dir or tempfile.mkdtemp(prefix="mnist_real_")
@@ -57,8 +61,20 @@ def main():
                        check=True, stdout=subprocess.DEVNULL)
     flags = ["--data_dir", data_dir, "--no-download", "--seed", str(bench.seed)]
     args = ps.parse_args(flags)
-    base_ms, base_acc = single_process(args)
+    singles, runs = [], []
+    for _ in range(bench.repeats):  # alternate the two, so a busy spell on the machine hits both
+        singles.append(single_process(args))
+        runs.append(rpc_run(bench, flags))
+    base_ms, base_acc = min(singles)
+    fields = min(runs, key=lambda f: float(f["ms_per_batch"]))
+    rpc_ms = float(fields["ms_per_batch"])
+    print(f"bench=parameter_server world_size={bench.world_size} seed={bench.seed} repeats={bench.repeats} "
+          f"single_ms_per_batch={base_ms:.1f} rpc_ms_per_batch={rpc_ms:.1f} ratio={rpc_ms / base_ms:.2f} "
+          f"single_accuracy={base_acc:.4f} accuracy={fields['accuracy']} target_ratio<=1.5 target_accuracy>=0.91")
 
+
+def rpc_run(bench, flags):
+    """One run of the script as a user would start it; returns its Summary fields."""
     with tempfile.TemporaryDirectory() as tmp:
         port = str(29500 + os.getpid() % 1000)
         out = subprocess.run(
@@ -67,11 +83,7 @@ def main():
     summaries = re.findall(r"^Summary: (.*)$", out.stdout, re.M)
     if out.returncode != 0 or not summaries:
         sys.exit(f"RPC run failed (exit {out.returncode}):\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
-    fields = dict(kv.split("=") for kv in summaries[0].split())
-    rpc_ms = float(fields["ms_per_batch"])
-    print(f"bench=parameter_server world_size={bench.world_size} seed={bench.seed} "
-          f"single_ms_per_batch={base_ms:.1f} rpc_ms_per_batch={rpc_ms:.1f} ratio={rpc_ms / base_ms:.2f} "
-          f"single_accuracy={base_acc:.4f} accuracy={fields['accuracy']} target_ratio<=1.5 target_accuracy>=0.91")
+    return dict(kv.split("=") for kv in summaries[0].split())
 
 
 if __name__ == "__main__":

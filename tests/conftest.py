@@ -5,6 +5,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -23,55 +24,93 @@ def free_port():
 
 
 class Run:
-    """One script started as a user would, in its own process group."""
+    """One script started as a user would, in its own session; output read as it comes."""
 
-    def __init__(self, script, args, cwd, env=None):
+    def __init__(self, script, args, cwd, env=None, prefix=(), python_args=()):
         self.started = time.monotonic()
         self.proc = subprocess.Popen(
-            [sys.executable, str(ROOT / script), *map(str, args)],
+            [*prefix, sys.executable, *python_args, str(ROOT / script), *map(str, args)],
             cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
             start_new_session=True,  # so a test can signal the whole group, and kill it if it hangs
         )
-        self.out = self.err = ""
+        self.pid = self.proc.pid
+        self._out, self._err = [], []
+        self._readers = [threading.Thread(target=lambda pipe=pipe, lines=lines: lines.extend(pipe), daemon=True)
+                         for pipe, lines in ((self.proc.stdout, self._out), (self.proc.stderr, self._err))]
+        for reader in self._readers:
+            reader.start()
         self.seconds = None
 
     @property
-    def pid(self):
-        return self.proc.pid
+    def out(self):
+        return "".join(self._out)
 
-    def wait(self, timeout=120):
-        """Wait for the exit; a hang is killed and fails the test."""
-        try:
-            self.out, self.err = self.proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            self.out, self.err = self.proc.communicate()
-            pytest.fail(f"still running after {timeout} s\nstdout:\n{self.out[-3000:]}\nstderr:\n{self.err[-3000:]}")
-        self.seconds = time.monotonic() - self.started
-        return self
+    @property
+    def err(self):
+        return "".join(self._err)
 
     @property
     def returncode(self):
         return self.proc.returncode
 
+    def wait_for(self, text, timeout=60):
+        """Block until stdout has a line containing text (a run that is under way)."""
+        deadline = time.monotonic() + timeout
+        while not any(text in line for line in list(self._out)):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                self.wait()
+                pytest.fail(f"never printed {text!r}: {self}")
+            time.sleep(0.05)
+
+    def wait(self, timeout=120):
+        """Wait for the exit; a hang is killed and fails the test."""
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            self.proc.wait()
+            pytest.fail(f"still running after {timeout} s: {self}")
+        finally:
+            for reader in self._readers:
+                reader.join(5)
+        self.seconds = time.monotonic() - self.started
+        return self
+
     def kill(self):
         try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            os.killpg(self.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
 
+    def processes_left(self):
+        """Processes still alive in this run's session (launcher and ranks)."""
+        left = []
+        for entry in Path("/proc").iterdir():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if int(fields[3]) == self.pid and fields[0] != "Z":  # fields: state, ppid, pgrp, session
+                left.append(int(entry.name))
+        return left
+
     def __repr__(self):
-        return f"exit {self.returncode} after {self.seconds} s\nstdout:\n{self.out[-4000:]}\nstderr:\n{self.err[-4000:]}"
+        return (f"exit {self.returncode} after {self.seconds} s\nstdout:\n{self.out[-4000:]}"
+                f"\nstderr:\n{self.err[-4000:]}")
 
 
 @pytest.fixture
 def run(tmp_path):
-    """run(script, *args) starts a script; every process it started is killed at teardown."""
+    """run(script, *args) starts a script of the repository; prefix= puts a command
+    before python (ip netns exec ...), python_args= goes between python and the
+    script (-m torch.distributed.run ...). Every process it started is killed at
+    teardown, pass or fail."""
     started = []
 
-    def start(script, *args, env=None):
-        proc = Run(script, args, cwd=tmp_path, env=env)
+    def start(script, *args, env=None, prefix=(), python_args=()):
+        proc = Run(script, args, cwd=tmp_path, env=env, prefix=prefix, python_args=python_args)
         started.append(proc)
         return proc
 
