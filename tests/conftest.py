@@ -1,4 +1,5 @@
 """Shared test helpers: free ports, scripts run as real subprocesses, tiny MNIST."""
+import multiprocessing
 import os
 import signal
 import socket
@@ -7,10 +8,12 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.rpc as rpc
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # so tests can import the scripts' classes
@@ -143,3 +146,35 @@ def tiny_mnist(tmp_path_factory):
             images[i, 2 * label + 4: 2 * label + 8, 4:24] = 255
         write_idx(raw, split, images, labels)
     return root
+
+
+def _alone_in_rpc(name, check, result):
+    options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{free_port()}", _transports=["uv"])
+    rpc.init_rpc(name, rank=0, world_size=1, rpc_backend_options=options)
+    try:
+        check()
+        result.send(None)
+    except BaseException:
+        result.send(traceback.format_exc())
+    finally:
+        rpc.shutdown()
+
+
+def alone_in_rpc(name, check, timeout=120):
+    """Run check() in a fresh process that is an RPC group of one under that name,
+    so a script's RPCs to that worker land there. A fresh process, because RPC
+    cannot be started again under another name in a process that has used it."""
+    ctx = multiprocessing.get_context("spawn")
+    receive, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_alone_in_rpc, args=(name, check, send))
+    proc.start()
+    try:
+        assert receive.poll(timeout), f"{check.__name__} did not finish within {timeout} s"
+        failure = receive.recv()
+    finally:
+        proc.join(10)
+        if proc.exitcode is None:
+            proc.kill()
+            proc.join()
+    if failure:
+        pytest.fail(f"{check.__name__} failed in its RPC process:\n{failure}", pytrace=False)

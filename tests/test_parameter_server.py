@@ -3,9 +3,8 @@ import re
 
 import pytest
 import torch
-import torch.distributed.rpc as rpc
 
-from conftest import free_port
+from conftest import alone_in_rpc, free_port
 
 import rpc_parameter_server as ps
 
@@ -76,17 +75,7 @@ def test_bad_arguments_exit_2(argv, problem, capsys):
     assert err.startswith("usage: ") and problem in err
 
 
-@pytest.fixture
-def rpc_group_of_one():
-    """This test process alone as 'parameter_server', so TrainerNet's RPCs land here."""
-    options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{free_port()}", _transports=["uv"])
-    rpc.init_rpc(ps.PS_NAME, rank=0, world_size=1, rpc_backend_options=options)
-    yield
-    rpc.shutdown()
-    ps.param_server = None
-
-
-def test_get_accuracy_evaluates_the_remote_model_in_eval_mode(rpc_group_of_one):
+def check_get_accuracy_evaluates_in_eval_mode():
     torch.manual_seed(0)
     net = ps.TrainerNet()
     batch = torch.randn(16, 1, 28, 28)
@@ -98,3 +87,7 @@ def test_get_accuracy_evaluates_the_remote_model_in_eval_mode(rpc_group_of_one):
     ps.get_accuracy(loader, net)
     assert ps.param_server.model.training is False, "get_accuracy's forward passes ran the remote model in train mode"
     assert torch.equal(net(batch), net(batch)), "the same batch must give the same output in evaluation"
+
+
+def test_get_accuracy_evaluates_the_remote_model_in_eval_mode():
+    alone_in_rpc(ps.PS_NAME, check_get_accuracy_evaluates_in_eval_mode)
