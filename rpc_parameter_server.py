@@ -298,7 +298,7 @@ def load_mnist(args, rank):
 # --------- Roles by rank --------------------
 
 
-def worker_name(rank):
+def worker_name(rank, world_size):
     return PS_NAME if rank == 0 else TRAINER_NAME.format(rank)
 
 
@@ -316,7 +316,7 @@ def run_rank(rank, args):
 # Plumbing the tutorial leaves out: bounded waits, clean failures, several
 # machines and launchers. This section is the same, to the letter, in all four
 # example scripts (tests/test_plumbing.py checks); each script supplies
-# worker_name(rank) and run_rank(rank, args) above.
+# worker_name(rank, world_size) and run_rank(rank, args) above.
 
 
 class RankFailure(Exception):
@@ -374,7 +374,7 @@ def _init_rpc(name, rank, world_size, args):
     watchdog = threading.Timer(
         args.timeout,
         _exit_with_report,
-        args=(rank, f"waited {args.timeout:g} s for all {world_size} processes of the RPC group to meet at {where}, "
+        args=(rank, world_size, f"waited {args.timeout:g} s for all {world_size} processes of the RPC group to meet at {where}, "
                     f"and not all arrived. Start every rank with the same --world_size, --master_addr and "
                     f"--master_port (ranks 0..{world_size - 1}), check that {where} is reachable, or raise --timeout."),
     )
@@ -424,7 +424,7 @@ def _lost_peers(rank, world_size, args, store):
         if peer == rank:
             continue
         try:
-            rpc.rpc_sync(worker_name(peer), time.time, timeout=args.timeout)
+            rpc.rpc_sync(worker_name(peer, world_size), time.time, timeout=args.timeout)
         except Exception:
             try:
                 if store.check([_DONE_KEY.format(peer)]):
@@ -445,13 +445,13 @@ def _start_peer_watch(rank, world_size, args):
         while not _peer_watch_stop.wait(1.0):
             lost = _lost_peers(rank, world_size, args, store)
             if lost and not _peer_watch_stop.is_set():
-                _exit_with_report(rank, _lost_message(lost))
+                _exit_with_report(rank, world_size, _lost_message(lost, world_size))
 
     threading.Thread(target=watch, name="peer-watch", daemon=True).start()
 
 
-def _lost_message(lost):
-    names = ", ".join(f"rank {peer} ({worker_name(peer)})" for peer in lost)
+def _lost_message(lost, world_size):
+    names = ", ".join(f"rank {peer} ({worker_name(peer, world_size)})" for peer in lost)
     return (f"lost contact with {names}: the process died or its machine became unreachable. "
             f"Look at that rank's own output for the cause, then start all ranks again.")
 
@@ -470,11 +470,11 @@ def _shutdown(rank, world_size, args):
     rpc.shutdown(timeout=args.timeout)
 
 
-def _exit_with_report(rank, message, exc=None):
+def _exit_with_report(rank, world_size, message, exc=None):
     """Print one short paragraph (and the traceback with --debug) and end the process."""
     if exc is not None and os.environ.get("RPC_EXAMPLE_DEBUG"):
         traceback.print_exception(exc)
-    print(f"\nError on rank {rank} ({worker_name(rank)}): {message}\n"
+    print(f"\nError on rank {rank} ({worker_name(rank, world_size)}): {message}\n"
           f"(Pass --debug or set RPC_EXAMPLE_DEBUG=1 to see the Python traceback.)", file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(1)  # rpc and its threads cannot be trusted to wind down after a failure
@@ -516,17 +516,17 @@ def _rank_main(rank, args, parent_pid=None):
         print(f"Rank {rank}: interrupted.", file=sys.stderr, flush=True)
         os._exit(130)
     except RankFailure as exc:
-        _exit_with_report(rank, str(exc), exc)
+        _exit_with_report(rank, args.world_size, str(exc), exc)
     except Exception as exc:
         lost = _lost_peers(rank, args.world_size, args, _store(args)) if rpc.api._is_current_rpc_agent_set() else []
-        message = _lost_message(lost) if lost else f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}"
-        _exit_with_report(rank, message, exc)
+        message = _lost_message(lost, args.world_size) if lost else f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}"
+        _exit_with_report(rank, args.world_size, message, exc)
 
 
 def _launch_all(args):
     """Start every rank as a child process; if one fails or we are stopped, stop them all."""
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank_main, args=(rank, args, os.getpid()), name=worker_name(rank))
+    procs = [ctx.Process(target=_rank_main, args=(rank, args, os.getpid()), name=worker_name(rank, args.world_size))
              for rank in range(args.world_size)]
 
     def stop_on_sigterm(signum, frame):
