@@ -33,6 +33,9 @@ from torch.distributed.rpc import RRef
 
 PS_NAME = "ps"
 TRAINER_NAME = "trainer"
+# TCP (uv) rather than TensorPipe's default shared memory, whose reactor
+# busy-polls a core in each process: see rpc_parameter_server.py.
+RPC_TRANSPORTS = ["uv"]
 
 
 # --------- Distributed modules --------------------
@@ -245,7 +248,7 @@ def run_rank(rank, args):
 # Plumbing the tutorial leaves out: bounded waits, clean failures, several
 # machines and launchers. This section is the same, to the letter, in all four
 # example scripts (tests/test_plumbing.py checks); each script supplies
-# worker_name(rank, world_size) and run_rank(rank, args) above.
+# RPC_TRANSPORTS, worker_name(rank, world_size) and run_rank(rank, args) above.
 
 
 class RankFailure(Exception):
@@ -312,10 +315,7 @@ def _init_rpc(name, rank, world_size, args):
     options = rpc.TensorPipeRpcBackendOptions(
         init_method="env://",
         rpc_timeout=args.timeout,
-        # TensorPipe's default shared-memory transport busy-polls most of a
-        # core in every process; on 2 cores TCP (uv) is faster overall
-        # (62 against 86-89 ms per batch in benchmarks/bench_parameter_server.py).
-        _transports=["uv"],
+        _transports=RPC_TRANSPORTS,  # chosen per script, with the reason, at its top
     )
     try:
         rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)

@@ -7,7 +7,7 @@ import pytest
 
 from conftest import ROOT
 
-SCRIPTS = ["rpc_parameter_server", "rpc_rnn_model_parallel", "ddp_rpc_hybrid"]
+SCRIPTS = ["rpc_parameter_server", "rpc_rl_cartpole", "rpc_rnn_model_parallel", "ddp_rpc_hybrid"]
 BEGIN = "# --------- Starting, watching and stopping ranks"
 END = "# --------- Command line"
 
