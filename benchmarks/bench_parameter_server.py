@@ -12,6 +12,7 @@ import contextlib
 import io
 import os
 import re
+import socket
 import subprocess
 import sys
 import tempfile
@@ -76,7 +77,9 @@ def main():
 def rpc_run(bench, flags):
     """One run of the script as a user would start it; returns its Summary fields."""
     with tempfile.TemporaryDirectory() as tmp:
-        port = str(29500 + os.getpid() % 1000)
+        with socket.socket() as sock:  # a port the OS says is free, not a fixed one
+            sock.bind(("127.0.0.1", 0))
+            port = str(sock.getsockname()[1])
         out = subprocess.run(
             [sys.executable, os.path.join(ROOT, "rpc_parameter_server.py"), "--world_size", str(bench.world_size),
              "--master_port", port, *flags], cwd=tmp, capture_output=True, text=True, timeout=1800)
