@@ -334,7 +334,7 @@ def _store(args):
 
 
 def _lost_peers(rank, world_size, args, store):
-    """Peers that neither answer an RPC nor have said they are done."""
+    """Peers that do not answer an RPC while the group is still at work."""
     lost = []
     for peer in range(world_size):
         if peer == rank:
@@ -342,12 +342,16 @@ def _lost_peers(rank, world_size, args, store):
         try:
             rpc.rpc_sync(worker_name(peer, world_size), time.time, timeout=args.timeout)
         except Exception:
-            try:
-                if store.check([_DONE_KEY.format(peer)]):
-                    continue
-            except Exception:  # the store lives in rank 0: no answer means rank 0 is gone
-                pass
             lost.append(peer)
+    if lost:
+        # Once every rank has said it is done (in _shutdown), a peer that is
+        # gone has simply finished. Not before: ranks that only serve others
+        # say so as soon as they start, and can still die mid-run.
+        try:
+            if store.check([_DONE_KEY.format(peer) for peer in range(world_size)]):
+                return []
+        except Exception:  # the store lives in rank 0: no answer means rank 0 is gone
+            pass
     return lost
 
 

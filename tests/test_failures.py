@@ -44,11 +44,19 @@ def test_a_peer_that_never_arrives(run):
     assert trainer.seconds < 3 + SLACK + 5  # + the ~4 s it takes to import torch
 
 
-@pytest.mark.parametrize("victim, name", [(1, "trainer"), (0, "ps")])
-def test_a_rank_killed_mid_run_stops_every_other_rank(run, victim, name):
+@pytest.mark.parametrize("script, world_size, extra, printer, started, victim, name", [
+    # the rank that drives training:
+    (SCRIPT, 2, ["--epochs", 100000], 1, "Training epoch 0 loss", 1, "trainer"),
+    # a rank that only serves, and hosts the store:
+    (SCRIPT, 2, ["--epochs", 100000], 1, "Training epoch 0 loss", 0, "ps"),
+    # a rank that only serves, not rank 0 (it has long said it is done with its own work):
+    ("rpc_rl_cartpole.py", 3, ["--log_interval", 1], 0, "Episode 1\t", 2, "obs2"),
+])
+def test_a_rank_killed_mid_run_stops_every_other_rank(run, script, world_size, extra, printer, started, victim, name):
     port = free_port()
-    ranks = [run(SCRIPT, "--world_size=2", f"--rank={rank}", *flags(port)) for rank in range(2)]
-    ranks[1].wait_for("Training epoch 0 loss")
+    common = [f"--world_size={world_size}", "--master_port", port, "--timeout", TIMEOUT, *extra]
+    ranks = [run(script, *common, f"--rank={rank}") for rank in range(world_size)]
+    ranks[printer].wait_for(started)
     os.kill(ranks[victim].pid, signal.SIGKILL)
     killed_at = time.monotonic()
     for rank, proc in enumerate(ranks):
