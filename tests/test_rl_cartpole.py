@@ -58,15 +58,3 @@ def check_finish_episode_returns_and_loss():
 
 def test_finish_episode_returns_and_loss():
     alone_in_rpc(rl.AGENT_NAME, check_finish_episode_returns_and_loss)
-
-
-@pytest.mark.parametrize("argv, problem", [
-    (["--world_size=1"], "--world_size must be at least 2"),
-    (["--max_episodes=-1"], "--max_episodes must be 0 (until solved) or positive"),
-    (["--gamma=0"], "--gamma must be in (0, 1]"),
-])
-def test_bad_arguments_exit_2(argv, problem, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        rl.main(argv)
-    assert exit_info.value.code == 2
-    assert problem in capsys.readouterr().err

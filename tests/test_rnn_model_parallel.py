@@ -1,7 +1,6 @@
 """rpc_rnn_model_parallel.py: the RNN split between a parameter server and a trainer."""
 import re
 
-import pytest
 import torch.nn as nn
 from torch.distributed.rpc import PyRRef  # RRefs that come back over RPC are PyRRef, the base of RRef
 
@@ -52,15 +51,3 @@ def check_parameter_rrefs_cover_all_three_parts():
 
 def test_parameter_rrefs_cover_all_three_parts():
     alone_in_rpc(rnn.PS_NAME, check_parameter_rrefs_cover_all_three_parts)
-
-
-@pytest.mark.parametrize("argv, problem", [
-    (["--world_size=3"], "--world_size must be 2"),
-    (["--nhid=0"], "--nhid must be positive"),
-    (["--dropout=1"], "--dropout must be in [0, 1)"),
-])
-def test_bad_arguments_exit_2(argv, problem, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        rnn.main(argv)
-    assert exit_info.value.code == 2
-    assert problem in capsys.readouterr().err

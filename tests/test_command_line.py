@@ -1,0 +1,42 @@
+"""Bad arguments: exit 2, argparse's usage line and one line naming the problem."""
+import importlib
+
+import pytest
+
+CASES = [
+    # the common flags, in every script
+    *[(module, argv, problem) for module in ("rpc_parameter_server", "rpc_rl_cartpole", "rpc_rnn_model_parallel",
+                                             "ddp_rpc_hybrid")
+      for argv, problem in [
+          (["--world_size=3", "--rank=3"], "--rank must be in [0, 3) for --world_size 3, got 3"),
+          (["--rank=-1"], "--rank must be in [0, "),
+          (["--timeout=0"], "--timeout must be positive, got 0.0"),
+          (["--master_port=70000"], "--master_port must be in 1..65535, got 70000"),
+      ]],
+    # world sizes too small for the roles, and each script's own flags
+    ("rpc_parameter_server", ["--world_size=1"], "--world_size must be at least 2 (one parameter server and at least one trainer)"),
+    ("rpc_parameter_server", ["--num_gpus=3"], "--num_gpus must be between 0 and 2, got 3"),
+    ("rpc_parameter_server", ["--batch_size=0"], "--batch_size must be positive, got 0"),
+    ("rpc_parameter_server", ["--train_samples=-5"], "--train_samples must be 0 (all) or positive, got -5"),
+    ("rpc_rl_cartpole", ["--world_size=1"], "--world_size must be at least 2 (one agent and at least one observer)"),
+    ("rpc_rl_cartpole", ["--max_episodes=-1"], "--max_episodes must be 0 (until solved) or positive, got -1"),
+    ("rpc_rl_cartpole", ["--gamma=0"], "--gamma must be in (0, 1], got 0.0"),
+    ("rpc_rnn_model_parallel", ["--world_size=3"], "--world_size must be 2 (the tutorial's parameter server and one trainer), got 3"),
+    ("rpc_rnn_model_parallel", ["--nhid=0"], "--nhid must be positive, got 0"),
+    ("rpc_rnn_model_parallel", ["--dropout=1"], "--dropout must be in [0, 1), got 1.0"),
+    ("ddp_rpc_hybrid", ["--world_size=2"], "--world_size must be at least 3 (at least one trainer, the master and the parameter server)"),
+    ("ddp_rpc_hybrid", ["--master_port=29600", "--ddp_port=29600"], "--ddp_port must be in 1..65535 and differ from --master_port"),
+    ("ddp_rpc_hybrid", ["--batches_per_epoch=0"], "--batches_per_epoch must be positive, got 0"),
+]
+
+
+@pytest.mark.parametrize("module, argv, problem", CASES, ids=[f"{m}:{' '.join(a)}" for m, a, _ in CASES])
+def test_bad_arguments_exit_2(module, argv, problem, capsys, monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):  # as if not started by torchrun
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        importlib.import_module(module).main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: ") and f"error: {problem}" in err
+    assert len(err.strip().splitlines()[-1]) < 200 and "Traceback" not in err
