@@ -151,7 +151,7 @@ def _run_trainer(remote_emb_module, rank, args):
                 # Run distributed backward pass
                 dist_autograd.backward(context_id, [loss])
 
-                # Tun distributed optimizer
+                # Run distributed optimizer
                 opt.step(context_id)
 
                 # Not necessary to zero grads as each iteration creates a different
@@ -185,7 +185,7 @@ def run_master(world_size, args):
     futs = []
     for trainer_rank in trainer_ranks(world_size):
         trainer_name = worker_name(trainer_rank, world_size)
-        # timeout=0: training outlasts any RPC timeout; the peer watch below
+        # timeout=0: training outlasts any RPC timeout; the peer watch (plumbing below)
         # ends the run if a trainer dies instead.
         fut = rpc.rpc_async(trainer_name, _run_trainer, args=(remote_emb_module, trainer_rank, args), timeout=0)
         futs.append(fut)
