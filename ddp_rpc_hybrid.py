@@ -94,10 +94,16 @@ def get_next_batch(generator, batches, device):
         yield indices, torch.tensor(offsets), target.to(device)
 
 
-def trainer_device(rank):
-    """One GPU per trainer where there are GPUs (as in the tutorial), else the CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", rank % torch.cuda.device_count())
+def trainer_ranks(world_size):
+    return range(world_size - 2)
+
+
+def trainer_device(rank, world_size):
+    """One GPU per trainer, as in the tutorial, where the machine has one for each; else the CPU."""
+    # The tutorial's maintained copy simply exits with fewer GPUs than trainers;
+    # two trainers sharing a GPU would make NCCL fail, so they train on CPU.
+    if torch.cuda.device_count() >= len(trainer_ranks(world_size)):
+        return torch.device("cuda", rank)
     return torch.device("cpu")
 
 
@@ -109,7 +115,7 @@ def _run_trainer(remote_emb_module, rank, args):
     (nn.Linear) and distributed autograd ensures gradients updates are
     propagated to the parameter server.
     """
-    device = trainer_device(rank)
+    device = trainer_device(rank, args.world_size)
 
     # Setup the model.
     model = HybridModel(remote_emb_module, device)
@@ -167,10 +173,6 @@ def _run_trainer(remote_emb_module, rank, args):
 # --------- Master, parameter server and trainers: run_worker --------------------
 
 
-def trainer_ranks(world_size):
-    return range(world_size - 2)
-
-
 def run_master(world_size, args):
     # Setup embedding table remotely on the parameter server.
     remote_emb_module = RemoteModule(
@@ -208,7 +210,7 @@ def run_master(world_size, args):
 def init_ddp_process_group(rank, world_size, args):
     """The trainers' own process group for DDP, on a port of its own (--ddp_port)."""
     num_trainers = len(trainer_ranks(world_size))
-    backend = "nccl" if torch.cuda.is_available() else "gloo"  # the tutorial's GPUs, else CPU
+    backend = "nccl" if trainer_device(rank, world_size).type == "cuda" else "gloo"  # the tutorial's GPUs, else CPU
     where = f"{args.master_addr}:{args.ddp_port}"
     try:
         dist.init_process_group(backend=backend, init_method=f"tcp://{where}", rank=rank,
