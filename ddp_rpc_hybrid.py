@@ -525,7 +525,7 @@ def _add_common_flags(parser, world_size):
     parser.add_argument("--master_addr", "--master-addr", default="localhost", help="Address of rank 0.")
     parser.add_argument("--master_port", "--master-port", type=int, default=29500, help="Port rank 0 listens on.")
     parser.add_argument("--ifname", default=None,
-                        help="Network interface for multi-machine runs (default: the one that reaches --master_addr).")
+                        help="Network interface for multi-machine runs; None: the one that reaches --master_addr.")
     parser.add_argument("--timeout", type=float, default=60.0, help="Longest wait, in seconds, for a peer or an RPC.")
     parser.add_argument("--debug", action="store_true", help="Show the Python traceback of a failure.")
 
@@ -557,7 +557,7 @@ def parse_args(argv=None):
     )
     _add_common_flags(parser, world_size=4)
     parser.add_argument("--ddp_port", "--ddp-port", type=int, default=None,
-                        help="Port of the trainers' DDP process group on --master_addr (default: --master_port + 1).")
+                        help="Port of the trainers' DDP process group on --master_addr; None: --master_port + 1.")
     parser.add_argument("--seed", type=int, default=1, help="Random seed (model init and data).")
     parser.add_argument("--epochs", type=int, default=100, help="Training epochs on each trainer.")
     parser.add_argument("--batches_per_epoch", type=int, default=10, help="Batches in each epoch.")

@@ -575,7 +575,7 @@ def _add_common_flags(parser, world_size):
     parser.add_argument("--master_addr", "--master-addr", default="localhost", help="Address of rank 0.")
     parser.add_argument("--master_port", "--master-port", type=int, default=29500, help="Port rank 0 listens on.")
     parser.add_argument("--ifname", default=None,
-                        help="Network interface for multi-machine runs (default: the one that reaches --master_addr).")
+                        help="Network interface for multi-machine runs; None: the one that reaches --master_addr.")
     parser.add_argument("--timeout", type=float, default=60.0, help="Longest wait, in seconds, for a peer or an RPC.")
     parser.add_argument("--debug", action="store_true", help="Show the Python traceback of a failure.")
 
