@@ -76,6 +76,7 @@ def main():
     bench = parser.parse_args()
 
     # The single-process agent still needs RPC for its RRef(self): a group of one, no peers.
+    rl._quiet_known_warnings()  # the script's own filter for torch.distributed's known-harmless warnings
     options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{free_port()}")
     rpc.init_rpc(rl.AGENT_NAME, rank=0, world_size=1, rpc_backend_options=options)
     singles, runs = [], []
