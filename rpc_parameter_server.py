@@ -10,16 +10,23 @@ One terminal per rank (tutorial form):  python rpc_parameter_server.py --world_s
                                         python rpc_parameter_server.py --world_size=2 --rank=1
 """
 import argparse
+import contextlib
+import fcntl
 import ipaddress
 import os
 import signal
 import socket
+import struct
 import sys
 import threading
 import time
 import traceback
 import warnings
 from datetime import timedelta
+
+if __name__ == "__main__" and "--debug" not in sys.argv:
+    # Before torch loads: its C++ log would repeat each failure as warnings, errors and stack dumps.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
 
 import torch
 import torch.distributed as dist
@@ -33,9 +40,7 @@ from torch.distributed.optim import DistributedOptimizer
 
 PS_NAME = "parameter_server"
 TRAINER_NAME = "trainer_{}"
-# TensorPipe's default shared-memory transport busy-polls most of a core in
-# every process, which the training itself needs on a small machine; TCP (uv)
-# was faster here (62 against 86-89 ms per batch, benchmarks/bench_parameter_server.py).
+# TCP (uv) only: TensorPipe's shared-memory transport busy-polls a core in every process, which training needs.
 RPC_TRANSPORTS = ["uv"]
 
 
@@ -94,6 +99,10 @@ def call_method(method, rref, *args, **kwargs):
 # Given an RRef, return the result of calling the passed in method on the
 # value held by the RRef. This call is done on the remote node that owns
 # the RRef and passes along the given argument.
+# Example: If the value held by the RRef is of type Foo, then
+# remote_method(Foo.bar, rref, arg1, arg2) is equivalent to calling
+# <foo_instance>.bar(arg1, arg2) on the remote node and getting the result
+# back.
 def remote_method(method, rref, *args, **kwargs):
     args = [method, rref] + list(args)
     return rpc.rpc_sync(rref.owner(), call_method, args=args, kwargs=kwargs)
@@ -110,35 +119,27 @@ class ParameterServer(nn.Module):
         self.forward_lock = threading.Lock()
 
     def forward(self, inp, training=True):
-        # The tutorial runs self.model(inp) on the live weights. With two
-        # trainers that breaks: trainer B's optimizer step updates the weights
-        # in place while trainer A's backward pass still needs the values its
-        # forward pass saw ("modified by an inplace operation"). So each forward
-        # pass runs on a clone of the weights: clone() passes gradients back to
-        # the real parameters, and the optimizer's in-place update no longer
-        # touches what a pending backward pass holds. functional_call swaps the
-        # clones into the shared module while it runs, so one RPC thread at a
-        # time; the mode (train or eval) is set under the same lock because
-        # every trainer shares this one module.
+        # The tutorial runs on the live weights, which another trainer's optimizer step changes in place
+        # before this pass's backward ("modified by an inplace operation"); clones keep what backward needs
+        # and pass gradients on to the parameters. forward_lock makes all trainers' forward passes run one
+        # at a time, as functional_call swaps the clones (and train/eval mode) into the one shared module.
         inp = inp.to(self.input_device)
         with self.forward_lock, torch.set_grad_enabled(training):
             self.model.train(training)
             weights = {name: param.clone() for name, param in self.model.named_parameters()}
             out = torch.func.functional_call(self.model, weights, (inp,))
-        # This output is forwarded over RPC, which as of 1.5.0 only accepts CPU tensors.
-        # Tensors must be moved in and out of GPU memory due to this.
+        # RPC carries CUDA tensors only with a device map (TensorPipe, since torch 1.8); the CPU round trip needs none.
         return out.to("cpu")
 
     # Use dist autograd to retrieve gradients accumulated for this model.
     # Primarily used for verification.
     def get_dist_gradients(self, cid):
         grads = dist_autograd.get_gradients(cid)
-        # This output is forwarded over RPC, which as of 1.5.0 only accepts CPU tensors.
-        # Tensors must be moved in and out of GPU memory due to this.
+        # RPC carries CUDA tensors only with a device map (TensorPipe, since torch 1.8); the CPU round trip needs none.
         return {k.to("cpu"): v.to("cpu") for k, v in grads.items()}
 
     # Wrap local parameters in a RRef. Needed for building the
-    # DistributedOptimizer which optimizes paramters remotely.
+    # DistributedOptimizer which optimizes parameters remotely.
     def get_param_rrefs(self):
         return [rpc.RRef(param) for param in self.model.parameters()]
 
@@ -152,6 +153,10 @@ global_lock = threading.Lock()
 def get_parameter_server(num_gpus=0):
     """Returns a singleton parameter server to all trainer processes."""
     global param_server
+    # Each trainer sends its own --num_gpus; run_parameter_server checked only the server's.
+    if num_gpus > torch.cuda.device_count():
+        raise ValueError(f"a trainer asked for a parameter server on {num_gpus} GPUs, but the parameter "
+                         f"server's machine has {torch.cuda.device_count()}: lower --num_gpus on the trainers.")
     # Ensure that we get only one handle to the ParameterServer.
     with global_lock:
         if not param_server:
@@ -161,6 +166,11 @@ def get_parameter_server(num_gpus=0):
 
 
 def run_parameter_server(rank, world_size, args):
+    # The model is placed on this machine, so this is where --num_gpus must fit.
+    if args.num_gpus > torch.cuda.device_count():
+        raise RankFailure(f"--num_gpus {args.num_gpus} asks for {args.num_gpus} GPUs on the parameter server (rank 0), "
+                          f"but its machine has {torch.cuda.device_count()}: run rank 0 on a machine with that many "
+                          f"GPUs, or lower --num_gpus on every rank.")
     # The parameter server just acts as a host for the model and responds to
     # requests from trainers.
     # rpc.shutdown() will wait for all workers to complete by default, which
@@ -214,7 +224,9 @@ def run_training_loop(rank, num_gpus, train_loader, test_loader, epochs=1, lr=0.
                 target = target.to(model_output.device)
                 loss = F.nll_loss(model_output, target)
                 if i % log_interval == 0:
-                    print(f"Rank {rank} training batch {i} loss {loss.item():.4f}", flush=True)
+                    # The tutorial prints the full float, and one epoch: i restarts at 0, so name the epoch.
+                    epoch_note = f" epoch {epoch}" if epochs > 1 else ""
+                    print(f"Rank {rank} training batch {i} loss {loss.item():.4f}{epoch_note}")
                 dist_autograd.backward(cid, [loss])
                 # Ensure that dist autograd ran successfully and gradients were
                 # returned. The tutorial checks every batch, which ships all
@@ -230,8 +242,7 @@ def run_training_loop(rank, num_gpus, train_loader, test_loader, epochs=1, lr=0.
     accuracy = get_accuracy(test_loader, net)
     print(
         f"Summary: rank={rank} batches={batches} seconds={seconds:.2f} "
-        f"ms_per_batch={1000 * seconds / max(batches, 1):.1f} accuracy={accuracy:.4f}",
-        flush=True,
+        f"ms_per_batch={1000 * seconds / max(batches, 1):.1f} accuracy={accuracy:.4f}"
     )
 
 
@@ -247,7 +258,8 @@ def get_accuracy(test_loader, model):
             pred, target = pred.to(device), target.to(device)
             correct_sum += pred.eq(target.view_as(pred)).sum().item()
     accuracy = correct_sum / len(test_loader.dataset)
-    print(f"Accuracy {accuracy:.4f}", flush=True)
+    # The tutorial prints the plain fraction; four places keep a --test_samples subset from printing 0.6666666666666666.
+    print(f"Accuracy {accuracy:.4f}")
     return accuracy
 
 
@@ -272,8 +284,7 @@ MNIST_FILES = [
 
 def load_mnist(args, rank):
     """Train and test loaders; --train_samples/--test_samples keep the first N."""
-    # Imported here, not at the top: torchvision takes ~2 s to import, and of
-    # all the processes only the trainers read MNIST.
+    # Imported here, not at the top: torchvision is slow to import, and only the trainers read MNIST.
     from torchvision import datasets, transforms
 
     transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize((0.1307,), (0.3081,))])
@@ -281,11 +292,12 @@ def load_mnist(args, rank):
         train_set = datasets.MNIST(args.data_dir, train=True, download=args.download, transform=transform)
         test_set = datasets.MNIST(args.data_dir, train=False, transform=transform)
     except Exception as exc:  # RuntimeError when absent, URLError/OSError when the download fails
+        failed = (f"could not be downloaded ({exc}): this machine may have no network access" if args.download
+                  else "--no-download forbids fetching it")
         raise RankFailure(
-            f"MNIST is not in {os.path.join(os.path.abspath(args.data_dir), 'MNIST', 'raw')} "
-            f"and could not be {'downloaded' if args.download else 'found'} ({exc}). "
-            f"Put the four files {', '.join(MNIST_FILES)} (optionally .gz) there, point --data_dir "
-            f"at the folder that holds MNIST/, or pass --download on a machine that can reach the MNIST mirrors."
+            f"MNIST is not in {os.path.join(os.path.abspath(args.data_dir), 'MNIST', 'raw')} and {failed}. "
+            f"Put the four files {', '.join(MNIST_FILES)} (optionally .gz) there or point --data_dir at the folder "
+            f"that holds MNIST/{'' if args.download else ', or pass --download on a machine with network access'}."
         ) from exc
     if args.train_samples:
         train_set = torch.utils.data.Subset(train_set, range(min(args.train_samples, len(train_set))))
@@ -317,316 +329,230 @@ def run_rank(rank, args):
 
 
 # --------- Starting, watching and stopping ranks --------------------
-# Plumbing the tutorial leaves out: bounded waits, clean failures, several
-# machines and launchers. This section is the same, to the letter, in all four
-# example scripts (tests/test_plumbing.py checks); each script supplies
+# What the tutorials leave out: bounded waits, one paragraph per failure, several
+# machines, launchers. The same text in all four scripts; each script supplies
 # RPC_TRANSPORTS, worker_name(rank, world_size) and run_rank(rank, args) above.
 
 
 class RankFailure(Exception):
-    """A failure explained in words; the message is the whole report."""
+    """A failure explained in words: the message is the whole report."""
 
 
-def _loopback(addr):
-    try:
-        return ipaddress.ip_address(socket.gethostbyname(addr)).is_loopback
-    except OSError:
-        return False
+def _pick_interface(rank, args):
+    """Gloo and TensorPipe advertise the hostname's address (often 127.0.0.1): name the interface instead."""
+    names = [name for _, name in socket.if_nameindex()]
+    if args.ifname is None and not ipaddress.ip_address(socket.gethostbyname(args.master_addr)).is_loopback:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((args.master_addr, args.master_port))  # UDP: picks the route, sends nothing
+            local = socket.inet_aton(probe.getsockname()[0])
+            for name in names:  # SIOCGIFADDR: the interface that has the route's address
+                with contextlib.suppress(OSError):
+                    if fcntl.ioctl(probe, 0x8915, struct.pack("256s", name.encode()))[20:24] == local:
+                        args.ifname = name
+                        print(f"Rank {rank}: using network interface {name} to reach {args.master_addr}")
+    if args.ifname is not None and args.ifname not in names:
+        raise RankFailure(f"there is no network interface --ifname {args.ifname} here; this machine has {', '.join(names)}.")
+    if args.ifname:
+        os.environ["GLOO_SOCKET_IFNAME"] = os.environ["TP_SOCKET_IFNAME"] = args.ifname
 
 
-def _interface_towards(addr, port):
-    """Name and address of the local interface that routes to addr (Linux)."""
-    import fcntl
-    import struct
-
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((addr, int(port)))  # UDP: picks a route, sends nothing
-        local_ip = probe.getsockname()[0]
-        for _, name in socket.if_nameindex():
-            try:
-                packed = fcntl.ioctl(probe.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))  # SIOCGIFADDR
-            except OSError:
-                continue
-            if socket.inet_ntoa(packed[20:24]) == local_ip:
-                return name, local_ip
-    return None, local_ip
-
-
-def _set_rendezvous_env(rank, args):
-    os.environ["MASTER_ADDR"] = args.master_addr
-    os.environ["MASTER_PORT"] = str(args.master_port)
-    ifname = args.ifname
-    if ifname is None and not _loopback(args.master_addr):
-        # Gloo and TensorPipe otherwise advertise whatever the hostname
-        # resolves to, often 127.0.0.1 on cloud images, and peers on other
-        # machines then fail to connect ("connectFullMesh failed").
-        try:
-            ifname, local_ip = _interface_towards(args.master_addr, args.master_port)
-        except OSError as exc:
-            raise RankFailure(f"cannot reach --master_addr {args.master_addr} from this machine ({exc}).")
-        if ifname:
-            print(f"Rank {rank}: using network interface {ifname} ({local_ip}) to reach {args.master_addr}")
-    if ifname:
-        os.environ["GLOO_SOCKET_IFNAME"] = ifname
-        os.environ["TP_SOCKET_IFNAME"] = ifname
+_watching, _finished, _report_lock = threading.Event(), threading.Event(), threading.Lock()
 
 
 def _init_rpc(name, rank, world_size, args):
-    # rpc.init_rpc's rendezvous waits 30 minutes for missing peers; a watchdog
-    # bounds it by --timeout instead.
+    """rpc.init_rpc, but every rank waits at most --timeout for the others (init_rpc alone: 30 minutes)."""
+    _pick_interface(rank, args)
     where = f"{args.master_addr}:{args.master_port}"
-    watchdog = threading.Timer(
-        args.timeout,
-        _exit_with_report,
-        args=(rank, world_size, f"waited {args.timeout:g} s for all {world_size} processes of the RPC group to meet at {where}, "
-                    f"and not all arrived. Start every rank with the same --world_size, --master_addr and "
-                    f"--master_port (ranks 0..{world_size - 1}), check that {where} is reachable, or raise --timeout."),
-    )
-    watchdog.daemon = True
-    watchdog.start()
-    options = rpc.TensorPipeRpcBackendOptions(
-        init_method="env://",
-        rpc_timeout=args.timeout,
-        _transports=RPC_TRANSPORTS,  # chosen per script, with the reason, at its top
-    )
+    print(f"Rank {rank}: waiting up to {args.timeout:g} s for all {world_size} processes to meet at {where}")
+    serve = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"  # torchrun serves its own
     try:
-        rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)
-    except Exception as exc:
-        if "EADDRINUSE" in str(exc) or "address already in use" in str(exc).lower():
-            raise RankFailure(
-                f"port {args.master_port} on {args.master_addr} is already in use, so rank 0 cannot listen "
-                f"there. Another run (or another program) holds it: stop it, or pick a free port with "
-                f"--master_port for every rank."
-            ) from exc
-        if "connectFullMesh" in str(exc):
-            raise RankFailure(
-                f"the processes met at {where} but could not connect to each other ({str(exc).splitlines()[0]}). "
-                f"On several machines, pass --ifname with the interface that reaches the others, and let TCP "
-                f"through the firewalls between them."
-            ) from exc
-        raise
-    finally:
-        watchdog.cancel()
-    _start_peer_watch(rank, world_size, args)
+        # A client tries to connect twice, each time for the timeout it is given: half of --timeout.
+        store = dist.TCPStore(args.master_addr, args.master_port, world_size, serve,
+                              timedelta(seconds=args.timeout / (1 if serve else 2)), wait_for_workers=False, multi_tenant=True)
+        store.set_timeout(timedelta(seconds=args.timeout))
+        if rank == 0:
+            store.set("world_size", str(world_size))
+        theirs = int(store.get("world_size"))
+        if theirs != world_size or store.add(f"rank{rank}", 1) > 1:
+            raise RankFailure(f"the group at {where} is not this run's: its --world_size is {theirs} (this rank's: "
+                              f"{world_size}), or its rank {rank} is taken. Start every rank of a run with the same "
+                              f"--world_size, and give each run its own --master_port.")
+        store.wait([f"rank{peer}" for peer in range(world_size)])
+    except dist.DistError as exc:
+        if "address already in use" in str(exc).lower():
+            raise RankFailure(f"port {args.master_port} on {args.master_addr} is already in use, so rank 0 cannot "
+                              f"listen there: stop what holds it, or give every rank another --master_port.") from exc
+        raise RankFailure(f"waited {args.timeout:g} s for all {world_size} processes to meet at {where}, and not all "
+                          f"came. Start ranks 0..{world_size - 1} with the same --world_size, --master_addr and "
+                          f"--master_port within --timeout of each other, and check that {where} is reachable.") from exc
+    # init_rpc's rendezvous shares the store above (multi_tenant) and finds every rank already there.
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = args.master_addr, str(args.master_port)
+    options = rpc.TensorPipeRpcBackendOptions(init_method="env://", rpc_timeout=args.timeout, _transports=RPC_TRANSPORTS)
+    rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)
+
+    def watch():  # a rank hears of a dead peer only when it calls it: so call every peer each second
+        while not _finished.wait(1.0):
+            lost = _lost_peers(rank, world_size, args)
+            if lost and not _finished.is_set():
+                _exit_with_report(rank, args, lost)
+
+    threading.Thread(target=watch, daemon=True).start()
+    _watching.set()
 
 
-_peer_watch_stop = threading.Event()
-_DONE_KEY = "rpc_example_done/{}"
-
-
-def _store(args):
-    return dist.TCPStore(args.master_addr, args.master_port, is_master=False, timeout=timedelta(seconds=args.timeout))
-
-
-def _lost_peers(rank, world_size, args, store):
-    """Peers that do not answer an RPC while the group is still at work."""
+def _lost_peers(rank, world_size, args):
+    """A report naming every peer that does not answer within --timeout, or None."""
+    pings = {peer: rpc.rpc_async(worker_name(peer, world_size), time.monotonic, timeout=args.timeout)
+             for peer in range(world_size) if peer != rank}
     lost = []
-    for peer in range(world_size):
-        if peer == rank:
-            continue
+    for peer, ping in pings.items():
         try:
-            rpc.rpc_sync(worker_name(peer, world_size), time.time, timeout=args.timeout)
+            ping.wait()
         except Exception:
-            lost.append(peer)
-    if lost:
-        # Once every rank has said it is done (in _shutdown), a peer that is
-        # gone has simply finished. Not before: ranks that only serve others
-        # say so as soon as they start, and can still die mid-run.
-        try:
-            if store.check([_DONE_KEY.format(peer) for peer in range(world_size)]):
-                return []
-        except Exception:  # the store lives in rank 0: no answer means rank 0 is gone
-            pass
-    return lost
-
-
-def _start_peer_watch(rank, world_size, args):
-    # A rank only notices a dead peer when it next sends it an RPC; a rank
-    # that waits for others (as in rpc.shutdown) would wait forever. So every
-    # rank pings its peers once a second until all are done.
-    store = _store(args)
-
-    def watch():
-        while not _peer_watch_stop.wait(1.0):
-            lost = _lost_peers(rank, world_size, args, store)
-            if lost and not _peer_watch_stop.is_set():
-                _exit_with_report(rank, world_size, _lost_message(lost, world_size))
-
-    threading.Thread(target=watch, name="peer-watch", daemon=True).start()
-
-
-def _lost_message(lost, world_size):
-    names = ", ".join(f"rank {peer} ({worker_name(peer, world_size)})" for peer in lost)
-    return (f"lost contact with {names}: the process died or its machine became unreachable. "
-            f"Look at that rank's own output for the cause, then start all ranks again.")
+            lost.append(f"rank {peer} ({worker_name(peer, world_size)})")
+    return lost and (f"lost contact with {', '.join(lost)}: the process died or its machine became unreachable. "
+                     f"Look at that rank's own output for the cause, then start all ranks again.")
 
 
 def _shutdown(rank, world_size, args):
-    """Wait until every rank is done, then leave the RPC group."""
-    # The tutorials call rpc.shutdown() alone; its barrier waits forever for
-    # a peer that died. This waits for the same thing while the peer watch
-    # runs, and only then lets rpc.shutdown() (now quick) run.
-    store = _store(args)
-    store.set(_DONE_KEY.format(rank), "1")
-    keys = [_DONE_KEY.format(peer) for peer in range(world_size)]
-    while not store.check(keys):
-        time.sleep(0.2)
-    _peer_watch_stop.set()
+    """rpc.shutdown() alone would wait forever for a dead peer: wait here, where the peer watch runs."""
+    store = dist.TCPStore(args.master_addr, args.master_port, timeout=timedelta(seconds=args.timeout))
+    store.set(f"done{rank}", "1")
+    while not store.check([f"done{peer}" for peer in range(world_size)]):
+        time.sleep(0.1)
+    _finished.set()
     rpc.shutdown(timeout=args.timeout)
 
 
-def _exit_with_report(rank, world_size, message, exc=None):
-    """Print one short paragraph (and the traceback with --debug) and end the process."""
-    if exc is not None and os.environ.get("RPC_EXAMPLE_DEBUG"):
-        traceback.print_exception(exc)
-    print(f"\nError on rank {rank} ({worker_name(rank, world_size)}): {message}\n"
-          f"(Pass --debug or set RPC_EXAMPLE_DEBUG=1 to see the Python traceback.)", file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    os._exit(1)  # rpc and its threads cannot be trusted to wind down after a failure
-
-
-def _quiet_known_warnings():
-    """Hide two known-harmless warnings that torch.distributed prints on every run."""
-    # rpc's own internal use of a gloo Backend object:
-    warnings.filterwarnings("ignore", message=r"You are using a Backend .* as a ProcessGroup")
-    # DistributedOptimizer still runs on the deprecated TorchScript functional
-    # optimizers, and torch forces that warning on with simplefilter("always"),
-    # so no filter reaches it: drop it where it is shown.
-    show = warnings.showwarning
-
-    def showwarning(message, *args, **kwargs):
-        if "`TorchScript` support for functional optimizers is deprecated" not in str(message):
-            show(message, *args, **kwargs)
-
-    warnings.showwarning = showwarning
-
-
-def _rank_main(rank, args, parent_pid=None):
-    """Entry point of one rank's process, from the launcher or the command line."""
-    if args.debug:
-        os.environ["RPC_EXAMPLE_DEBUG"] = "1"
-    _quiet_known_warnings()
-    if parent_pid is not None:
-        # A launcher killed with SIGKILL cannot stop its ranks; they stop themselves.
-        def exit_with_parent():
-            while os.getppid() == parent_pid:
-                time.sleep(1)
-            os._exit(1)
-
-        threading.Thread(target=exit_with_parent, daemon=True).start()
+def _exit_with_report(rank, args, message, exc=None, code=1):
+    """Print one paragraph (with --debug, the traceback too), then end the process whatever else happens."""
     try:
-        _set_rendezvous_env(rank, args)
-        run_rank(rank, args)
-    except KeyboardInterrupt:
-        print(f"Rank {rank}: interrupted.", file=sys.stderr, flush=True)
-        os._exit(130)
+        _report_lock.acquire()  # one report per process, from whichever thread comes first
+        try:  # an unexpected exception most often means that a peer died under it
+            lines, frames = str(exc).strip().splitlines(), traceback.extract_tb(exc.__traceback__)[-1:]
+            message = message or (_watching.is_set() and _lost_peers(rank, args.world_size, args) or type(exc).__name__
+                                  + (f": {lines[0]}" if lines else "".join(f" at {f.filename}:{f.lineno}" for f in frames)))
+        except Exception:
+            message = message or type(exc).__name__
+        if exc is not None and args.debug:
+            traceback.print_exception(exc)
+        hint = "" if args.debug or code != 1 else "\n(Run with --debug to see the traceback and torch's own log.)"
+        print(f"\nError on rank {rank} ({worker_name(rank, args.world_size)}): {message}{hint}", file=sys.stderr)
+        sys.stdout.flush(), sys.stderr.flush()
+        if _watching.is_set():  # stay reachable a moment: peers still calling this rank learn of the loss first
+            time.sleep(2)
+    finally:
+        os._exit(code)  # rpc's threads cannot be trusted to wind down after a failure
+
+
+def _rank_main(rank, args):
+    """One rank's process, started by the launcher below or from the command line."""
+    for stream in (sys.stdout, sys.stderr):  # whole lines, even with PYTHONUNBUFFERED=1: ranks never merge
+        stream.reconfigure(line_buffering=True, write_through=False)
+    try:
+        with warnings.catch_warnings():  # rpc's own use of a gloo Backend as a ProcessGroup: not ours to fix
+            warnings.filterwarnings("ignore", message="You are using a Backend .* as a ProcessGroup")
+            run_rank(rank, args)
+    except KeyboardInterrupt as exc:
+        _exit_with_report(rank, args, "interrupted.", exc, code=130)
     except RankFailure as exc:
-        _exit_with_report(rank, args.world_size, str(exc), exc)
-    except Exception as exc:
-        lost = _lost_peers(rank, args.world_size, args, _store(args)) if rpc.api._is_current_rpc_agent_set() else []
-        message = _lost_message(lost, args.world_size) if lost else f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}"
-        _exit_with_report(rank, args.world_size, message, exc)
+        _exit_with_report(rank, args, str(exc), exc)
+    except BaseException as exc:
+        _exit_with_report(rank, args, None, exc)
 
 
 def _launch_all(args):
-    """Start every rank as a child process; if one fails or we are stopped, stop them all."""
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank_main, args=(rank, args, os.getpid()), name=worker_name(rank, args.world_size))
-             for rank in range(args.world_size)]
-
-    def stop_on_sigterm(signum, frame):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, stop_on_sigterm)
-    for proc in procs:
-        proc.start()
+    """Every rank in a process of its own; torch.multiprocessing stops them all when one fails."""
+    if args.master_port is None:  # a free port, so that two runs never meet
+        with socket.socket() as sock:
+            sock.bind((args.master_addr, 0))
+            args.master_port = sock.getsockname()[1]
+    print(f"Starting {args.world_size} ranks; rank 0 listens on {args.master_addr}:{args.master_port}", flush=True)
+    # fork: the ranks need not import torch again, and this process has neither started CUDA nor threads.
+    ranks = mp.start_processes(_rank_main, args=(args,), nprocs=args.world_size, join=False, start_method="fork")
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` stops the ranks as Ctrl-C does
     try:
-        while any(p.exitcode is None for p in procs) and not any(p.exitcode for p in procs):
-            time.sleep(0.2)
-        failed = next((p for p in procs if p.exitcode), None)
-        if failed is None:
-            return 0
-        # Give the others a moment to report what they saw, then stop them.
-        deadline = time.monotonic() + 3
-        while any(p.exitcode is None for p in procs) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        print(f"{failed.name} failed (exit code {failed.exitcode}); stopping every rank.", file=sys.stderr)
+        while not ranks.join(grace_period=3):  # on a failure the others get 3 s to report what they saw
+            pass
+        return 0
+    except mp.ProcessExitedException as exc:
+        print(f"Rank {exc.error_index} ({worker_name(exc.error_index, args.world_size)}) ended with "
+              f"{exc.signal_name or f'exit code {exc.exit_code}'}: stopped every rank.", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("Interrupted: stopping every rank.", file=sys.stderr)
         return 130
     finally:
-        for proc in procs:
-            if proc.exitcode is None:
-                proc.terminate()
-        for proc in procs:
-            proc.join(3)
-            if proc.exitcode is None:
-                proc.kill()
-                proc.join()
+        for process in ranks.processes:
+            process.terminate()
+            process.join(3)
+            process.kill()
+
+
+# --------- Command line --------------------
+
+
+def _positive(cast):
+    def positive(text):  # an argparse type: a number above zero
+        if cast(text) <= 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return cast(text)
+    return positive
 
 
 def _add_common_flags(parser, world_size):
-    """The command line that all four example scripts share (CONVENTIONS.md)."""
+    """The command line that all four scripts share (CONVENTIONS.md)."""
     parser.add_argument("--world_size", "--world-size", type=int, default=world_size,
-                        help="Total number of participating processes, all roles counted.")
+                        help="Processes in the RPC group, all roles counted.")
     parser.add_argument("--rank", type=int, default=None,
-                        help="Run only this rank (one terminal or machine each). Without it, every rank is started here.")
-    parser.add_argument("--master_addr", "--master-addr", default="localhost", help="Address of rank 0.")
-    parser.add_argument("--master_port", "--master-port", type=int, default=29500, help="Port rank 0 listens on.")
+                        help="Run only this rank (a terminal or machine each). None: start every rank here.")
+    parser.add_argument("--master_addr", default="localhost", help="Address of rank 0.")
+    parser.add_argument("--master_port", type=int, default=None,
+                        help="Port of rank 0. None: 29500 with --rank, else a free one.")
     parser.add_argument("--ifname", default=None,
-                        help="Network interface for multi-machine runs; None: the one that reaches --master_addr.")
-    parser.add_argument("--timeout", type=float, default=60.0, help="Longest wait, in seconds, for a peer or an RPC.")
-    parser.add_argument("--debug", action="store_true", help="Show the Python traceback of a failure.")
+                        help="Network interface for runs across machines. None: the one that reaches --master_addr.")
+    parser.add_argument("--timeout", type=_positive(float), default=60.0, help="Longest wait for a peer or an RPC, in seconds.")
+    parser.add_argument("--debug", action="store_true", help="On a failure, show the traceback and torch's own log.")
 
 
 def _check_common_args(parser, args, min_world_size, roles):
-    """Exit 2 with one line for a bad common flag; take torchrun's RANK etc. when --rank is absent."""
-    if args.rank is None and "RANK" in os.environ:  # started by torchrun or a similar launcher
-        args.rank = int(os.environ["RANK"])
-        args.world_size = int(os.environ.get("WORLD_SIZE", args.world_size))
-        args.master_addr = os.environ.get("MASTER_ADDR", args.master_addr)
-        args.master_port = int(os.environ.get("MASTER_PORT", args.master_port))
+    """Exit 2 with one line for a bad common flag; without --rank, take torchrun's RANK etc."""
+    if args.rank is None and "RANK" in os.environ:
+        args.rank, args.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        args.master_addr, args.master_port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     if args.world_size < min_world_size:
         parser.error(f"--world_size must be at least {min_world_size} ({roles}), got {args.world_size}")
     if args.rank is not None and not 0 <= args.rank < args.world_size:
         parser.error(f"--rank must be in [0, {args.world_size}) for --world_size {args.world_size}, got {args.rank}")
-    if not 0 < args.master_port < 65536:
+    if args.master_port is not None and not 0 < args.master_port < 65536:
         parser.error(f"--master_port must be in 1..65535, got {args.master_port}")
-    if args.timeout <= 0:
-        parser.error(f"--timeout must be positive, got {args.timeout}")
-
-
-# --------- Command line --------------------
+    if args.rank is not None and args.master_port is None:
+        args.master_port = 29500
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description="Parameter-Server RPC based training",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,  # a mistyped flag fails instead of matching a longer one
     )
     _add_common_flags(parser, world_size=4)
     parser.add_argument("--num_gpus", type=int, default=0,
                         help="Number of GPUs to use for training, currently supports between 0 and 2 GPUs.")
     parser.add_argument("--seed", type=int, default=1, help="Random seed (model init, data order).")
-    parser.add_argument("--data_dir", "--data-dir", default="./data", help="Folder that holds (or receives) MNIST/raw/.")
+    parser.add_argument("--data_dir", default="./data", help="Folder that holds (or receives) MNIST/raw/.")
     parser.add_argument("--download", action=argparse.BooleanOptionalAction, default=True, help="Download MNIST if it is missing.")
-    parser.add_argument("--epochs", type=int, default=1, help="Epochs each trainer runs.")
-    parser.add_argument("--batch_size", "--batch-size", type=int, default=32, help="Batch size.")
-    parser.add_argument("--lr", type=float, default=0.03, help="Learning rate of SGD.")
+    parser.add_argument("--epochs", type=_positive(int), default=1, help="Epochs each trainer runs.")
+    parser.add_argument("--batch_size", type=_positive(int), default=32, help="Batch size.")
+    parser.add_argument("--lr", type=_positive(float), default=0.03, help="Learning rate of SGD.")
     parser.add_argument("--train_samples", type=int, default=0, help="Use only the first N training images (0: all).")
     parser.add_argument("--test_samples", type=int, default=0, help="Use only the first N test images (0: all).")
-    parser.add_argument("--log_interval", type=int, default=5, help="Batches between loss lines.")
+    parser.add_argument("--log_interval", type=_positive(int), default=5, help="Batches between loss lines.")
     parser.add_argument("--save_model", default=None, metavar="PATH", help="The parameter server saves the trained state_dict here.")
     args = parser.parse_args(argv)
     _check_common_args(parser, args, min_world_size=2, roles="one parameter server and at least one trainer")
     if not 0 <= args.num_gpus <= 2:
         parser.error(f"--num_gpus must be between 0 and 2, got {args.num_gpus}")
-    if args.num_gpus > torch.cuda.device_count():
-        parser.error(f"--num_gpus {args.num_gpus} asks for more GPUs than this machine has ({torch.cuda.device_count()})")
-    for flag in ("epochs", "batch_size", "lr", "log_interval"):
-        if getattr(args, flag) <= 0:
-            parser.error(f"--{flag} must be positive, got {getattr(args, flag)}")
     for flag in ("train_samples", "test_samples"):
         if getattr(args, flag) < 0:
             parser.error(f"--{flag} must be 0 (all) or positive, got {getattr(args, flag)}")

@@ -1,92 +1,150 @@
 """Parameter server over RPC vs. the same Net trained in one process.
 
-Both train one epoch on the real MNIST digits (8000 train / 2000 test, split
-from ../shared/data/mnist_t10k), batch 32, SGD lr 0.03, and are measured in
-this one invocation. Prints one line of key=value pairs; ratio is the RPC
-run's ms per batch over the single-process one.
+Both sides train one epoch on the same MNIST images in the same order (batch
+32, SGD lr 0.03, the script's seeds), on CPU, in this one invocation, in
+--rounds alternating rounds of (single process, RPC). The RPC side is the
+script's own code at world size 2 in two spawned processes: rank 0 is
+rpc_parameter_server.run_rank(0), rank 1 a copy of run_training_loop with a
+clock between its steps. Prints every round, then the machine, the median
+milliseconds per batch of each phase (data loading, forward, backward,
+optimizer step, the rest) for both sides, and the medians, ranges and ratio
+of the whole, all as key=value pairs.
 
-    python benchmarks/bench_parameter_server.py [--seed 0] [--world_size 2]
+    python benchmarks/bench_parameter_server.py --data_dir PATH [--rounds 3]
+
+--data_dir is an MNIST root as the script takes it (default: the script's
+./data, downloaded when missing); the first 8,000 training and 2,000 test
+images are used unless --train_samples/--test_samples say otherwise.
 """
 import argparse
-import contextlib
-import io
 import os
-import re
-import socket
-import subprocess
 import sys
-import tempfile
-import time
+from statistics import median
 
 import torch
+import torch.distributed.autograd as dist_autograd
 import torch.nn.functional as F
+from torch import optim
+from torch.distributed.optim import DistributedOptimizer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SHARED = os.path.join(os.path.dirname(ROOT), "shared")
-sys.path.insert(0, ROOT)
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(HERE), HERE]
 import rpc_parameter_server as ps  # noqa: E402
+from common import (PhaseClock, captured_stdout, free_port, machine, phase_medians,  # noqa: E402
+                    run_rpc_round, same, spread)
+
+PHASES = ("load", "forward", "backward", "step", "other")
+TRAINER_RANK = 1  # its data order is the one both sides train on
 
 
-def single_process(args):
-    """The tutorial's Net, data and optimizer, with no RPC in between."""
-    torch.manual_seed(args.seed)
-    with contextlib.redirect_stdout(io.StringIO()):  # Net's "Putting ... on cpu" lines
-        model = ps.Net()
-    opt = torch.optim.SGD(model.parameters(), lr=0.03)
-    train_loader, test_loader = ps.load_mnist(args, rank=1)
+def figures(clock, batches, accuracy):
+    ms = {phase: 1000 * seconds / batches for phase, seconds in clock.totals.items()}
+    return {"ms_per_batch": sum(ms.values()), "phases": ms, "batches": batches, "accuracy": accuracy}
+
+
+def accuracies(rounds):
+    return same([f"{r['accuracy']:.4f}" for r in rounds])
+
+
+def single_round(args):
+    """The script's Net, data and SGD in this process, with no RPC in between."""
+    torch.manual_seed(args.seed)  # what rank 0, which builds the Net, seeds
+    with captured_stdout():  # Net's "Putting ... on cpu" lines
+        model = ps.Net(num_gpus=args.num_gpus)
+    train_loader, test_loader = ps.load_mnist(args, rank=TRAINER_RANK)
+    opt = optim.SGD(model.parameters(), lr=args.lr)
     model.train()
-    start = time.perf_counter()
+    clock = PhaseClock()
     for data, target in train_loader:
-        opt.zero_grad()
-        F.nll_loss(model(data), target).backward()
+        clock.mark("load")
+        loss = F.nll_loss(model(data), target)
+        clock.mark("forward")
+        loss.backward()
+        clock.mark("backward")
         opt.step()
-    ms_per_batch = 1000 * (time.perf_counter() - start) / len(train_loader)
-    model.eval()
-    with torch.no_grad():
-        correct = sum((model(d).argmax(1) == t).sum().item() for d, t in test_loader)
-    return ms_per_batch, correct / len(test_loader.dataset)
+        opt.zero_grad()  # after the step, not before the forward pass: optimizer work, timed with it
+        clock.mark("step")
+    with captured_stdout():  # get_accuracy's own "Accuracy" line
+        accuracy = ps.get_accuracy(test_loader, model)
+    return figures(clock, len(train_loader), accuracy)
+
+
+def rpc_rank(rank, args):
+    """One process of the RPC side: rank 0 the script's parameter server, rank 1 the timed trainer."""
+    with captured_stdout():  # the script's progress lines; errors still reach stderr
+        if hasattr(ps, "_set_rendezvous_env"):  # plumbing where _init_rpc does not set MASTER_ADDR/PORT itself
+            ps._set_rendezvous_env(rank, args)
+        if rank == 0:
+            ps.run_rank(0, args)
+            return {}
+        torch.manual_seed(args.seed + rank)  # as run_rank seeds every rank
+        train_loader, test_loader = ps.load_mnist(args, rank)
+        ps._init_rpc(ps.TRAINER_NAME.format(rank), rank, args.world_size, args)
+        result = timed_training_loop(args, train_loader, test_loader)
+        ps._shutdown(rank, args.world_size, args)
+    return {"rpc": result}
+
+
+def timed_training_loop(args, train_loader, test_loader):
+    """The script's run_training_loop for one epoch, with a clock between its steps and no loss lines."""
+    net = ps.TrainerNet(num_gpus=args.num_gpus)
+    opt = DistributedOptimizer(optim.SGD, net.get_global_param_rrefs(), lr=args.lr)
+    clock = PhaseClock()
+    for i, (data, target) in enumerate(train_loader):
+        clock.mark("load")
+        with dist_autograd.context() as cid:
+            loss = F.nll_loss(net(data), target)
+            clock.mark("forward")
+            dist_autograd.backward(cid, [loss])
+            clock.mark("backward")
+            if i == 0:  # the script's one check that gradients reached the server
+                assert ps.remote_method(ps.ParameterServer.get_dist_gradients, net.param_server_rref, cid) != {}
+                clock.mark("other")
+            opt.step(cid)
+            clock.mark("step")
+        clock.mark("other")  # leaving the context releases it on the server as well
+    with captured_stdout():
+        accuracy = ps.get_accuracy(test_loader, net)
+    return figures(clock, len(train_loader), accuracy)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data_dir", default=None, help="an MNIST root, as the script's --data_dir (default: its)")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of (single process, RPC)")
+    parser.add_argument("--train_samples", type=int, default=8000, help="first N training images")
+    parser.add_argument("--test_samples", type=int, default=2000, help="first N test images")
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--world_size", type=int, default=2)
-    parser.add_argument("--data_dir", default=None, help="an MNIST root; default: built from ../shared/data/mnist_t10k")
-    parser.add_argument("--repeats", type=int, default=2, help="rounds of (single, RPC); each side keeps its fastest")
     bench = parser.parse_args()
+    if bench.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {bench.rounds}")
 
-    data_dir = bench.data_dir or tempfile.mkdtemp(prefix="mnist_real_")
-    if bench.data_dir is None:
-        subprocess.run([sys.executable, os.path.join(SHARED, "tools", "mnist_root.py"),
-                        os.path.join(SHARED, "data", "mnist_t10k"), data_dir, "8000"],
-                       check=True, stdout=subprocess.DEVNULL)
-    flags = ["--data_dir", data_dir, "--no-download", "--seed", str(bench.seed)]
-    args = ps.parse_args(flags)
-    singles, runs = [], []
-    for _ in range(bench.repeats):  # alternate the two, so a busy spell on the machine hits both
-        singles.append(single_process(args))
-        runs.append(rpc_run(bench, flags))
-    base_ms, base_acc = min(singles)
-    fields = min(runs, key=lambda f: float(f["ms_per_batch"]))
-    rpc_ms = float(fields["ms_per_batch"])
-    print(f"bench=parameter_server world_size={bench.world_size} seed={bench.seed} repeats={bench.repeats} "
-          f"single_ms_per_batch={base_ms:.1f} rpc_ms_per_batch={rpc_ms:.1f} ratio={rpc_ms / base_ms:.2f} "
-          f"single_accuracy={base_acc:.4f} accuracy={fields['accuracy']} target_ratio<=1.5 target_accuracy>=0.91")
+    flags = ["--world_size", "2", "--seed", str(bench.seed),
+             "--train_samples", str(bench.train_samples), "--test_samples", str(bench.test_samples)]
+    if bench.data_dir:
+        flags += ["--data_dir", bench.data_dir]
+    singles, rpcs = [], []
+    try:
+        for n in range(1, bench.rounds + 1):  # alternate, so that a busy spell on the machine hits both sides
+            singles.append(single_round(ps.parse_args(flags)))
+            rpcs.append(run_rpc_round(rpc_rank, ps.parse_args(flags + ["--master_port", str(free_port())]))["rpc"])
+            single, rpc = singles[-1]["ms_per_batch"], rpcs[-1]["ms_per_batch"]
+            print(f"round={n} single_ms_per_batch={single:.1f} rpc_ms_per_batch={rpc:.1f} ratio={rpc / single:.2f} "
+                  f"single_accuracy={singles[-1]['accuracy']:.4f} rpc_accuracy={rpcs[-1]['accuracy']:.4f}", flush=True)
+    except ps.RankFailure as exc:
+        sys.exit(f"Error: {exc}")
+    except torch.multiprocessing.ProcessException as exc:
+        sys.exit(f"The RPC side failed in round {len(rpcs) + 1}: {exc}")
 
-
-def rpc_run(bench, flags):
-    """One run of the script as a user would start it; returns its Summary fields."""
-    with tempfile.TemporaryDirectory() as tmp:
-        with socket.socket() as sock:  # a port the OS says is free, not a fixed one
-            sock.bind(("127.0.0.1", 0))
-            port = str(sock.getsockname()[1])
-        out = subprocess.run(
-            [sys.executable, os.path.join(ROOT, "rpc_parameter_server.py"), "--world_size", str(bench.world_size),
-             "--master_port", port, *flags], cwd=tmp, capture_output=True, text=True, timeout=1800)
-    summaries = re.findall(r"^Summary: (.*)$", out.stdout, re.M)
-    if out.returncode != 0 or not summaries:
-        sys.exit(f"RPC run failed (exit {out.returncode}):\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
-    return dict(kv.split("=") for kv in summaries[0].split())
+    single_ms = [r["ms_per_batch"] for r in singles]
+    rpc_ms = [r["ms_per_batch"] for r in rpcs]
+    print(machine())
+    print("phase_ms_per_batch=median", phase_medians("single", [r["phases"] for r in singles], PHASES, 1),
+          phase_medians("rpc", [r["phases"] for r in rpcs], PHASES, 1))
+    print(f"bench=parameter_server world_size=2 rounds={bench.rounds} batches={singles[0]['batches']} "
+          f"seed={bench.seed} {spread('single_ms_per_batch', single_ms, 1)} {spread('rpc_ms_per_batch', rpc_ms, 1)} "
+          f"ratio={median(rpc_ms) / median(single_ms):.2f} "
+          f"single_accuracy={accuracies(singles)} rpc_accuracy={accuracies(rpcs)}", flush=True)
 
 
 if __name__ == "__main__":

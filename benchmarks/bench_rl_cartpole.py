@@ -1,95 +1,163 @@
 """CartPole agent and observer over RPC vs. the same agent and environment in one process.
 
-Both play --episodes episodes of CartPole-v1 with the script's Policy,
-select_action and finish_episode, and are measured in this one invocation.
-Prints one line of key=value pairs; ratio is the RPC run's microseconds per
-environment step over the single-process one.
+Both sides play --episodes episodes of CartPole-v1 with the script's Agent
+(Policy, select_action, finish_episode) and the same seeds, so they take the
+same steps, in this one invocation, in --rounds alternating rounds of (single
+process, RPC). The RPC side is the script's own run at world size 2 (one
+agent, one observer) in two spawned processes, rpc_rl_cartpole.run_rank for
+each rank; only its observer's environment is timed (TimedObserver). Prints
+every round, then the machine, the median microseconds per environment step
+of each phase (select_action, for RPC the round trip the observer waits;
+env.step; env.reset; finish, the per-episode report and update, for RPC
+everything the observer does not see) for both sides, and the medians,
+ranges and ratio of the whole, all as key=value pairs.
 
-    python benchmarks/bench_rl_cartpole.py [--episodes 50] [--repeats 2]
+    python benchmarks/bench_rl_cartpole.py [--episodes 50] [--rounds 3]
 """
 import argparse
 import os
 import re
-import socket
-import subprocess
 import sys
-import tempfile
-import time
+import warnings
+from statistics import median
 
 import gymnasium as gym
 import torch
 import torch.distributed.rpc as rpc
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(HERE), HERE]
 import rpc_rl_cartpole as rl  # noqa: E402
+from common import (PhaseClock, captured_stdout, free_port, machine, phase_medians,  # noqa: E402
+                    run_rpc_round, same, spread)
 
-OBSERVER_ID = 1  # the id the one observer has in the RPC run
-
-
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+PHASES = ("select_action", "env_step", "reset", "finish")
+OBSERVER_ID = 1  # the one observer's rank and RPC id; its environment's seed is seed + this
+CLOCK = PhaseClock()  # this process's environment calls
 
 
-def single_process(bench):
-    """The script's Agent and one environment, with no RPC in between."""
-    torch.manual_seed(bench.seed)
-    agent = rl.Agent(world_size=1, seed=bench.seed)  # no remote observers: the loop below plays the observer
+class TimedEnv(gym.Wrapper):
+    """The environment with a clock: the time between its calls is spent choosing the action."""
+
+    def reset(self, **kwargs):
+        CLOCK.mark("finish")
+        result = self.env.reset(**kwargs)
+        CLOCK.mark("reset")
+        return result
+
+    def step(self, action):
+        CLOCK.mark("select_action")
+        result = self.env.step(action)
+        CLOCK.mark("env_step")
+        return result
+
+
+class TimedObserver(rl.Observer):
+    """The script's Observer on a TimedEnv; the RPC side sets rl.Observer to this so the agent builds it."""
+
+    def __init__(self, seed):
+        super().__init__(seed)
+        self.env = TimedEnv(self.env)
+
+    def run_episode(self, agent_rref):
+        CLOCK.restart()  # between episodes the observer waits for the agent: that time is not its own
+        super().run_episode(agent_rref)
+
+
+def single_round(args):
+    """The script's Agent choosing for one TimedEnv in this process, the loop of run_agent and run_episode."""
+    torch.manual_seed(args.seed)  # what the agent's rank seeds
+    agent = rl.Agent(world_size=1, gamma=args.gamma, lr=args.lr, seed=args.seed)  # no remote observers
     agent.rewards[OBSERVER_ID], agent.saved_log_probs[OBSERVER_ID] = [], []
-    env = gym.make(rl.ENV_NAME)
-    seed = bench.seed + OBSERVER_ID
-    start = time.perf_counter()
-    for _ in range(bench.episodes):
+    env = TimedEnv(gym.make(rl.ENV_NAME))
+    seed = args.seed + OBSERVER_ID
+    CLOCK.totals = {}
+    CLOCK.restart()
+    for _ in range(args.max_episodes):
         state, _ = env.reset(seed=seed)
         seed = None
-        rewards, done = [], False
-        while not done:
+        rewards = []
+        for _ in range(10000):  # Observer.run_episode's cap
             action = agent.select_action(OBSERVER_ID, state)
             state, reward, terminated, truncated, _ = env.step(action)
             rewards.append(reward)
-            done = terminated or truncated
+            if terminated or truncated:
+                break
         agent.report_reward(OBSERVER_ID, rewards)
         agent.finish_episode()
-    return (time.perf_counter() - start) / agent.total_steps * 1e6, agent.total_steps
+        if agent.running_reward > agent.reward_threshold:
+            break
+    CLOCK.mark("finish")
+    return figures(CLOCK.totals, agent.total_steps)
 
 
-def rpc_run(bench):
-    """One run of the script as a user would start it; returns its Summary fields."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = subprocess.run(
-            [sys.executable, os.path.join(ROOT, "rpc_rl_cartpole.py"), "--world_size", "2", "--seed", str(bench.seed),
-             "--max_episodes", str(bench.episodes), "--master_port", str(free_port())],
-            cwd=tmp, capture_output=True, text=True, timeout=1800)
-    summary = re.search(r"^Summary: (.*)$", out.stdout, re.M)
-    if out.returncode != 0 or not summary:
-        sys.exit(f"RPC run failed (exit {out.returncode}):\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
-    return dict(kv.split("=") for kv in summary.group(1).split())
+def figures(totals, steps):
+    us = {phase: 1e6 * seconds / steps for phase, seconds in totals.items()}
+    return {"us_per_step": sum(us.values()), "phases": us, "steps": steps}
+
+
+def rpc_rank(rank, args):
+    """One process of the RPC side: the script's own rank, its observer a TimedObserver."""
+    rl.Observer = TimedObserver  # the name the agent builds its observers from
+    with captured_stdout() as printed:  # the script's progress lines; errors still reach stderr
+        if hasattr(rl, "_set_rendezvous_env"):  # plumbing where _init_rpc does not set MASTER_ADDR/PORT itself
+            rl._set_rendezvous_env(rank, args)
+        rl.run_rank(rank, args)
+        if rank == OBSERVER_ID:
+            return {"observer": CLOCK.totals}
+        summary = re.search(r"^Summary: (.*)$", printed(), re.M)
+    if summary is None:
+        raise RuntimeError("rpc_rl_cartpole.py printed no Summary line")
+    fields = dict(pair.split("=", 1) for pair in summary.group(1).split() if "=" in pair)
+    return {"steps": int(fields["steps"]), "us_per_step": float(fields["us_per_step"])}
+
+
+def rpc_round(args):
+    """The script's run with its own us_per_step; what its observer did not see is the agent's finish."""
+    result = run_rpc_round(rpc_rank, args)
+    seen = {phase: seconds for phase, seconds in result["observer"].items() if phase != "finish"}
+    seen["finish"] = result["us_per_step"] * result["steps"] / 1e6 - sum(seen.values())
+    return figures(seen, result["steps"])
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--episodes", type=int, default=50)
-    parser.add_argument("--repeats", type=int, default=2, help="rounds of (single, RPC); each side keeps its fastest")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of (single process, RPC)")
+    parser.add_argument("--seed", type=int, default=1)
     bench = parser.parse_args()
+    if bench.rounds < 1 or bench.episodes < 1:
+        parser.error("--rounds and --episodes must be at least 1")
 
-    # The single-process agent still needs RPC for its RRef(self): a group of one, no peers.
-    rl._quiet_known_warnings()  # the script's own filter for torch.distributed's known-harmless warnings
-    options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{free_port()}")
-    rpc.init_rpc(rl.AGENT_NAME, rank=0, world_size=1, rpc_backend_options=options)
-    singles, runs = [], []
-    for _ in range(bench.repeats):  # alternate the two, so a busy spell on the machine hits both
-        singles.append(single_process(bench))
-        runs.append(rpc_run(bench))
-    rpc.shutdown()
-    base_us, base_steps = min(singles)
-    fields = min(runs, key=lambda f: float(f["us_per_step"]))
-    rpc_us = float(fields["us_per_step"])
-    print(f"bench=rl_cartpole world_size=2 episodes={bench.episodes} seed={bench.seed} repeats={bench.repeats} "
-          f"single_us_per_step={base_us:.0f} single_steps={base_steps} rpc_us_per_step={rpc_us:.0f} "
-          f"rpc_steps={fields['steps']} ratio={rpc_us / base_us:.2f} target_ratio<=3")
+    flags = ["--world_size", "2", "--seed", str(bench.seed), "--max_episodes", str(bench.episodes)]
+    # The single-process Agent still needs RPC for its RRef(self): a group of one,
+    # TCP only, so that no shared-memory reactor polls beside the RPC rounds.
+    options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{free_port()}", _transports=["uv"])
+    with warnings.catch_warnings():  # init_rpc's own use of a gloo Backend, harmless
+        warnings.filterwarnings("ignore", message=r"You are using a Backend .* as a ProcessGroup")
+        rpc.init_rpc(rl.AGENT_NAME, rank=0, world_size=1, rpc_backend_options=options)
+    singles, rpcs = [], []
+    try:
+        for n in range(1, bench.rounds + 1):  # alternate, so that a busy spell on the machine hits both sides
+            singles.append(single_round(rl.parse_args(flags)))
+            rpcs.append(rpc_round(rl.parse_args(flags + ["--master_port", str(free_port())])))
+            single, remote = singles[-1]["us_per_step"], rpcs[-1]["us_per_step"]
+            print(f"round={n} single_us_per_step={single:.0f} rpc_us_per_step={remote:.0f} ratio={remote / single:.2f} "
+                  f"single_steps={singles[-1]['steps']} rpc_steps={rpcs[-1]['steps']}", flush=True)
+    except torch.multiprocessing.ProcessException as exc:
+        sys.exit(f"The RPC side failed in round {len(rpcs) + 1}: {exc}")
+    finally:
+        rpc.shutdown()
+
+    single_us = [r["us_per_step"] for r in singles]
+    rpc_us = [r["us_per_step"] for r in rpcs]
+    print(machine())
+    print("phase_us_per_step=median", phase_medians("single", [r["phases"] for r in singles], PHASES, 0),
+          phase_medians("rpc", [r["phases"] for r in rpcs], PHASES, 0))
+    print(f"bench=rl_cartpole world_size=2 rounds={bench.rounds} episodes={bench.episodes} seed={bench.seed} "
+          f"single_steps={same([r['steps'] for r in singles])} rpc_steps={same([r['steps'] for r in rpcs])} "
+          f"{spread('single_us_per_step', single_us, 0)} {spread('rpc_us_per_step', rpc_us, 0)} "
+          f"ratio={median(rpc_us) / median(single_us):.2f}", flush=True)
 
 
 if __name__ == "__main__":

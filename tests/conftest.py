@@ -1,5 +1,6 @@
 """Shared test helpers: free ports, scripts run as real subprocesses, tiny MNIST."""
 import multiprocessing
+import multiprocessing.connection
 import os
 import signal
 import socket
@@ -43,7 +44,7 @@ class Run:
                          for pipe, lines in ((self.proc.stdout, self._out), (self.proc.stderr, self._err))]
         for reader in self._readers:
             reader.start()
-        self.seconds = None
+        self.seconds = self.ended = None
 
     @property
     def out(self):
@@ -71,6 +72,7 @@ class Run:
         """Wait for the exit; a hang is killed and fails the test."""
         try:
             self.proc.wait(timeout=timeout)
+            self.ended = time.monotonic()
         except subprocess.TimeoutExpired:
             self.kill()
             self.proc.wait()
@@ -78,7 +80,7 @@ class Run:
         finally:
             for reader in self._readers:
                 reader.join(5)
-        self.seconds = time.monotonic() - self.started
+        self.seconds = self.ended - self.started
         return self
 
     def kill(self):
@@ -130,6 +132,10 @@ def write_idx(raw_dir, split, images, labels):
         f.write(struct.pack(">II", 2049, len(labels)) + labels.numpy().tobytes())
 
 
+def tiny_mnist_flags(root):
+    return ["--data_dir", root, "--no-download", "--batch_size", 8, "--log_interval", 2]
+
+
 @pytest.fixture(scope="session")
 def tiny_mnist(tmp_path_factory):
     """An MNIST root with 64 train and 32 test 28x28 images, in the raw IDX
@@ -148,35 +154,49 @@ def tiny_mnist(tmp_path_factory):
     return root
 
 
-def _alone_in_rpc(name, check, result):
-    options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{free_port()}", _transports=["uv"])
+def _serve_checks(name, requests, results):
+    """The helper process: an RPC group of one named `name`, running the checks it is sent."""
+    options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{free_port()}")
     rpc.init_rpc(name, rank=0, world_size=1, rpc_backend_options=options)
-    try:
-        check()
-        result.send(None)
-    except BaseException:
-        result.send(traceback.format_exc())
-    finally:
-        rpc.shutdown()
+    for check in iter(requests.recv, None):
+        try:
+            check()
+            results.send(None)
+        except BaseException:
+            results.send(traceback.format_exc())
+    rpc.shutdown()
 
 
-def alone_in_rpc(name, check, timeout=120):
-    """Run check() in a fresh process that is an RPC group of one under that name,
-    so a script's RPCs to that worker land there. A fresh process, because RPC
-    cannot be started again under another name in a process that has used it;
-    forked, not spawned, so it starts without importing torch again (~3 s).
-    The test process itself never starts RPC, so the child inherits none."""
-    ctx = multiprocessing.get_context("fork")
-    receive, send = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_alone_in_rpc, args=(name, check, send))
-    proc.start()
-    try:
-        assert receive.poll(timeout), f"{check.__name__} did not finish within {timeout} s"
-        failure = receive.recv()
-    finally:
-        proc.join(10)
-        if proc.exitcode is None:
-            proc.kill()
-            proc.join()
-    if failure:
-        pytest.fail(f"{check.__name__} failed in its RPC process:\n{failure}", pytrace=False)
+@pytest.fixture(scope="session")
+def alone_in_rpc():
+    """alone_in_rpc(check) runs check() in a helper process that is an RPC group of one
+    named like the parameter server, so a script's RPCs to that worker land there.
+    A process of its own, because RPC can be started only once per process; spawned,
+    not forked, because a forked child cannot use CUDA once the test process has."""
+    ctx = multiprocessing.get_context("spawn")
+    requests, to_helper = ctx.Pipe(duplex=False)
+    from_helper, results = ctx.Pipe(duplex=False)
+    helper = ctx.Process(target=_serve_checks, args=("parameter_server", requests, results), daemon=True)
+    helper.start()
+
+    def run_check(check, timeout=120):
+        to_helper.send(check)
+        # Wait for the answer or the helper's death, whichever comes first.
+        ready = multiprocessing.connection.wait([from_helper, helper.sentinel], timeout)
+        if from_helper in ready:
+            failure = from_helper.recv()
+            if failure:
+                pytest.fail(f"{check.__name__} failed in the RPC helper process:\n{failure}", pytrace=False)
+        elif ready:
+            pytest.fail(f"the RPC helper process died (exit code {helper.exitcode}) while running "
+                        f"{check.__name__}; its error is in the captured stderr above", pytrace=False)
+        else:
+            pytest.fail(f"{check.__name__} did not finish within {timeout} s", pytrace=False)
+
+    yield run_check
+    if helper.is_alive():
+        to_helper.send(None)
+        helper.join(30)
+    if helper.is_alive():
+        helper.kill()
+        helper.join()

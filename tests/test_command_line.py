@@ -10,23 +10,25 @@ CASES = [
       for argv, problem in [
           (["--world_size=3", "--rank=3"], "--rank must be in [0, 3) for --world_size 3, got 3"),
           (["--rank=-1"], "--rank must be in [0, "),
-          (["--timeout=0"], "--timeout must be positive, got 0.0"),
+          (["--timeout=0"], "argument --timeout: must be positive, got 0"),
           (["--master_port=70000"], "--master_port must be in 1..65535, got 70000"),
       ]],
     # world sizes too small for the roles, and each script's own flags
     ("rpc_parameter_server", ["--world_size=1"], "--world_size must be at least 2 (one parameter server and at least one trainer)"),
     ("rpc_parameter_server", ["--num_gpus=3"], "--num_gpus must be between 0 and 2, got 3"),
-    ("rpc_parameter_server", ["--batch_size=0"], "--batch_size must be positive, got 0"),
+    ("rpc_parameter_server", ["--batch_size=0"], "argument --batch_size: must be positive, got 0"),
+    ("rpc_parameter_server", ["--epoch=1"], "unrecognized arguments: --epoch=1"),  # no prefix matching
     ("rpc_parameter_server", ["--train_samples=-5"], "--train_samples must be 0 (all) or positive, got -5"),
     ("rpc_rl_cartpole", ["--world_size=1"], "--world_size must be at least 2 (one agent and at least one observer)"),
     ("rpc_rl_cartpole", ["--max_episodes=-1"], "--max_episodes must be 0 (until solved) or positive, got -1"),
     ("rpc_rl_cartpole", ["--gamma=0"], "--gamma must be in (0, 1], got 0.0"),
     ("rpc_rnn_model_parallel", ["--world_size=3"], "--world_size must be 2 (the tutorial's parameter server and one trainer), got 3"),
-    ("rpc_rnn_model_parallel", ["--nhid=0"], "--nhid must be positive, got 0"),
+    ("rpc_rnn_model_parallel", ["--nhid=0"], "argument --nhid: must be positive, got 0"),
+    ("rpc_rnn_model_parallel", ["--nhid=x"], "argument --nhid: invalid positive value: 'x'"),
     ("rpc_rnn_model_parallel", ["--dropout=1"], "--dropout must be in [0, 1), got 1.0"),
     ("ddp_rpc_hybrid", ["--world_size=2"], "--world_size must be at least 3 (at least one trainer, the master and the parameter server)"),
     ("ddp_rpc_hybrid", ["--master_port=29600", "--ddp_port=29600"], "--ddp_port must be in 1..65535 and differ from --master_port"),
-    ("ddp_rpc_hybrid", ["--batches_per_epoch=0"], "--batches_per_epoch must be positive, got 0"),
+    ("ddp_rpc_hybrid", ["--batches_per_epoch=0"], "argument --batches_per_epoch: must be positive, got 0"),
 ]
 
 

@@ -1,52 +1,32 @@
-"""rpc_parameter_server.py: run as a user would, at world size 2 and 3 on tiny MNIST."""
+"""rpc_parameter_server.py: run as a user would, with two trainers on tiny MNIST."""
 import re
 
 import torch
 
-from conftest import alone_in_rpc, free_port
+from conftest import free_port, tiny_mnist_flags
 
 import rpc_parameter_server as ps
 
 SCRIPT = "rpc_parameter_server.py"
 
 
-def tiny_flags(mnist_root, port, *extra):
-    return ["--data_dir", mnist_root, "--no-download", "--batch_size", 8, "--log_interval", 2,
-            "--master_port", port, "--timeout", 30, *extra]
-
-
-def assert_trainer_output(out, rank):
-    assert f"Rank {rank} training batch 0 loss " in out
-    assert f"Rank {rank} training batch 2 loss " in out
-    assert "Training complete!" in out and "Getting accuracy...." in out
-    assert re.search(r"^Accuracy 0\.\d{4}$|^Accuracy 1\.0000$", out, re.M)
-    summary = re.search(rf"^Summary: rank={rank} batches=8 seconds=[\d.]+ ms_per_batch=[\d.]+ accuracy=[\d.]+$", out, re.M)
-    assert summary, out
-
-
 def test_one_command_with_two_trainers(run, tiny_mnist, tmp_path):
-    # World size 3: one command, and the tutorial's code would crash here as
-    # soon as one trainer steps while the other is between forward and backward.
+    # World size 3: the tutorial's code would crash here as soon as one
+    # trainer steps while the other is between forward and backward.
     model_path = tmp_path / "model.pt"
-    proc = run(SCRIPT, "--world_size", 3, *tiny_flags(tiny_mnist, free_port(), "--save_model", model_path)).wait()
+    proc = run(SCRIPT, "--world_size", 3, "--epochs", 2, "--timeout", 30, *tiny_mnist_flags(tiny_mnist),
+               "--save_model", model_path).wait()
     assert proc.returncode == 0, proc
     for rank in (1, 2):
-        assert_trainer_output(proc.out, rank)
-    assert proc.out.count("Summary:") == 2
+        for epoch in (0, 1):  # 64 images in batches of 8: batches 0..7, a line every 2
+            assert f"Rank {rank} training batch 6 loss " in proc.out and f" epoch {epoch}\n" in proc.out, proc.out
+        assert re.search(rf"^Rank {rank} training batch 2 loss \d+\.\d{{4}} epoch 1$", proc.out, re.M), proc.out
+        summary = rf"^Summary: rank={rank} batches=16 seconds=[\d.]+ ms_per_batch=[\d.]+ accuracy=[\d.]+$"
+        assert re.search(summary, proc.out, re.M), proc.out
+    assert proc.out.count("Training complete!") == 2 and proc.out.count("Summary:") == 2
+    assert len(re.findall(r"^Accuracy (0\.\d{4}|1\.0000)$", proc.out, re.M)) == 2
     assert "RPC shutdown on parameter server." in proc.out
     ps.Net().load_state_dict(torch.load(model_path))  # the saved weights fit the tutorial's Net
-
-
-def test_one_terminal_per_rank(run, tiny_mnist):
-    port = free_port()
-    server = run(SCRIPT, "--world_size=2", "--rank=0", *tiny_flags(tiny_mnist, port))
-    trainer = run(SCRIPT, "--world_size=2", "--rank=1", *tiny_flags(tiny_mnist, port))
-    trainer.wait(), server.wait()
-    assert trainer.returncode == 0, trainer
-    assert server.returncode == 0, server
-    assert_trainer_output(trainer.out, 1)
-    assert "RPC initialized! Running parameter server..." in server.out
-    assert "RPC shutdown on parameter server." in server.out
 
 
 def test_missing_data_is_explained(tmp_path, capsys):
@@ -57,7 +37,7 @@ def test_missing_data_is_explained(tmp_path, capsys):
     assert str(tmp_path / "nowhere" / "MNIST" / "raw") in message
     for name in ps.MNIST_FILES:
         assert name in message
-    assert "--download" in message
+    assert "--no-download forbids fetching it" in message
     assert "Traceback" not in message
 
 
@@ -75,5 +55,5 @@ def check_get_accuracy_evaluates_in_eval_mode():
     assert torch.equal(net(batch), net(batch)), "the same batch must give the same output in evaluation"
 
 
-def test_get_accuracy_evaluates_the_remote_model_in_eval_mode():
-    alone_in_rpc(ps.PS_NAME, check_get_accuracy_evaluates_in_eval_mode)
+def test_get_accuracy_evaluates_the_remote_model_in_eval_mode(alone_in_rpc):
+    alone_in_rpc(check_get_accuracy_evaluates_in_eval_mode)
