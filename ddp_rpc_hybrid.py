@@ -403,7 +403,7 @@ def _exit_with_report(rank, args, message, exc=None, code=1):
         hint = "" if args.debug or code != 1 else "\n(Run with --debug to see the traceback and torch's own log.)"
         print(f"\nError on rank {rank} ({worker_name(rank, args.world_size)}): {message}{hint}", file=sys.stderr)
         sys.stdout.flush(), sys.stderr.flush()
-        if _watching.is_set():  # stay reachable a moment: peers still calling this rank learn of the loss first
+        if _watching.is_set() and args.world_size > 2:  # stay reachable: peers still calling this rank learn of it first
             time.sleep(2)
     finally:
         os._exit(code)  # rpc's threads cannot be trusted to wind down after a failure
@@ -436,7 +436,7 @@ def _launch_all(args):
     ranks = mp.start_processes(_rank_main, args=(args,), nprocs=args.world_size, join=False, start_method="fork")
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` stops the ranks as Ctrl-C does
     try:
-        while not ranks.join(grace_period=3):  # on a failure the others get 3 s to report what they saw
+        while not ranks.join(grace_period=5):  # on a failure the others get 5 s to report what they saw
             pass
         return 0
     except mp.ProcessExitedException as exc:

@@ -89,17 +89,17 @@ class Run:
         except ProcessLookupError:
             pass
 
-    def processes_left(self):
-        """Processes still alive in this run's session (launcher and ranks)."""
+    def processes_left(self, children_only=False):
+        """Processes still alive in this run's session (launcher and ranks), or only the launcher's children."""
         left = []
         for entry in Path("/proc").iterdir():
             try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except (OSError, IndexError):
+                state, ppid, _, session = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:4]
+            except (OSError, IndexError, ValueError):
                 continue
-            if int(fields[3]) == self.pid and fields[0] != "Z":  # fields: state, ppid, pgrp, session
+            if int(session) == self.pid and state != "Z" and (int(ppid) == self.pid or not children_only):
                 left.append(int(entry.name))
-        return left
+        return sorted(left)
 
     def __repr__(self):
         return (f"exit {self.returncode} after {self.seconds} s\nstdout:\n{self.out[-4000:]}"

@@ -39,66 +39,71 @@ def assert_one_paragraph(proc, *phrases):
         assert phrase in paragraph, proc
 
 
-def test_a_peer_that_never_arrives(run):
-    port = free_port()
-    trainer = run(SCRIPT, "--world_size=2", "--rank=1", "--master_port", port, "--timeout", 3).wait(HANG)
-    assert f"Rank 1: waiting up to 3 s for all 2 processes to meet at localhost:{port}" in trainer.out
-    assert_one_paragraph(trainer, "Error on rank 1 (trainer)", "waited 3 s", f"localhost:{port}", "--timeout")
-
-
-def test_a_taken_port_is_named(run):
+def test_failures_before_the_group_meets(run):
+    # Independent runs, started side by side to save time; each is checked on its own.
+    never, disagree = free_port(), free_port()
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen()
-        port = holder.getsockname()[1]
-        server = run(SCRIPT, "--world_size=2", "--rank=0", "--master_port", port, "--timeout", TIMEOUT).wait(HANG)
-    assert_one_paragraph(server, f"port {port}", "already in use", "--master_port")
-
-
-def test_a_missing_interface_is_named(run):
-    proc = run(SCRIPT, "--world_size=2", "--rank=0", "--ifname", "eth9", "--timeout", TIMEOUT).wait(HANG)
-    assert_one_paragraph(proc, "no network interface --ifname eth9", "lo")
-
-
-def test_world_sizes_that_disagree(run):
-    # The RL example accepts any world size; rank 0 says 2, rank 1 says 3.
-    port = free_port()
-    common = ["rpc_rl_cartpole.py", "--max_episodes=1", "--master_port", port, "--timeout", 5]
-    agent, observer = run(*common, "--world_size=2", "--rank=0"), run(*common, "--world_size=3", "--rank=1")
-    observer.wait(HANG), agent.wait(HANG)
-    assert_one_paragraph(observer, "Error on rank 1 (obs1)", "its --world_size is 2 (this rank's: 3)")
-    assert_one_paragraph(agent, "Error on rank 0 (agent)", "waited 5 s", "not all came")
-
-
-KILLS = [
-    # script, world size, flags, the rank that prints, what it prints once training is under way, victim, its name
-    ("rpc_parameter_server.py", 2, ["--epochs", 100000], 1, "training batch", 1, "trainer_1"),
-    ("rpc_rl_cartpole.py", 3, ["--log_interval=1"], 0, "Episode 1\t", 2, "obs2"),
-    (SCRIPT, 2, ["--epochs", 100000], 1, "Training epoch 0 loss", 0, "ps"),
-    ("ddp_rpc_hybrid.py", 3, ["--epochs", 100000], 0, "Training done for epoch 0", 0, "trainer0"),
-]
-
-
-@pytest.mark.parametrize("script, world_size, extra, printer, started, victim, name", KILLS, ids=[k[0] for k in KILLS])
-def test_a_rank_killed_mid_run_stops_every_other_rank(run, tiny_mnist, script, world_size, extra, printer, started,
-                                                      victim, name):
-    port = free_port()
-    common = [f"--world_size={world_size}", "--master_port", port, "--timeout", TIMEOUT, *extra]
-    if script == "rpc_parameter_server.py":
-        common += tiny_mnist_flags(tiny_mnist)
-    if script == "ddp_rpc_hybrid.py":
-        common += ["--ddp_port", free_port()]
-    ranks = [run(script, *common, f"--rank={rank}") for rank in range(world_size)]
-    ranks[printer].wait_for(started)
-    os.kill(ranks[victim].pid, signal.SIGKILL)
-    killed_at = time.monotonic()
-    for rank, proc in enumerate(ranks):
-        if rank != victim:
+        taken = holder.getsockname()[1]
+        runs = {
+            "a peer that never arrives": run(SCRIPT, "--world_size=2", "--rank=1", "--master_port", never, "--timeout", 2),
+            "a taken port": run(SCRIPT, "--world_size=2", "--rank=0", "--master_port", taken, "--timeout", TIMEOUT),
+            "a missing interface": run(SCRIPT, "--world_size=2", "--rank=0", "--ifname", "eth9", "--timeout", TIMEOUT),
+            # The RL example takes any world size: rank 0 says 2, rank 1 says 3.
+            "world size 2": run("rpc_rl_cartpole.py", "--world_size=2", "--rank=0", "--master_port", disagree, "--timeout", 2),
+            "world size 3": run("rpc_rl_cartpole.py", "--world_size=3", "--rank=1", "--master_port", disagree, "--timeout", 2),
+        }
+        for proc in runs.values():
             proc.wait(HANG)
-            print(f"rank {rank} ended {proc.ended - killed_at:.1f} s after the kill")
-            assert_one_paragraph(proc, "lost contact with ")
-            # (With more ranks, a rank that already stopped because of the loss may be named too.)
-            assert re.search(rf"lost contact with [^:]*rank {victim} \({name}\)", proc.err), proc
+    assert f"Rank 1: waiting up to 2 s for all 2 processes to meet at localhost:{never}" in runs["a peer that never arrives"].out
+    assert_one_paragraph(runs["a peer that never arrives"], "Error on rank 1 (trainer)", "waited 2 s", f"localhost:{never}")
+    assert_one_paragraph(runs["a taken port"], f"port {taken}", "already in use", "--master_port")
+    assert_one_paragraph(runs["a missing interface"], "no network interface --ifname eth9", "lo")
+    assert_one_paragraph(runs["world size 3"], "Error on rank 1 (obs1)", "its --world_size is 2 (this rank's: 3)")
+    assert_one_paragraph(runs["world size 2"], "Error on rank 0 (agent)", "waited 2 s", "not all came")
+
+
+def test_a_rank_killed_mid_run_stops_the_other_rank(run, tiny_mnist):
+    # One terminal per rank: each survivor must stop by itself. Two scripts side by side:
+    # the parameter server loses its trainer (the rank that drives), the RNN trainer its
+    # parameter server (a rank that only serves, and hosts the store).
+    cases = [("rpc_parameter_server.py", [*tiny_mnist_flags(tiny_mnist)], "training batch", 1, "trainer_1"),
+             (SCRIPT, [], "Training epoch 0 loss", 0, "ps")]
+    runs = []
+    for script, extra, started, victim, name in cases:
+        common = ["--world_size=2", "--master_port", free_port(), "--timeout", TIMEOUT, "--epochs", 100000, *extra]
+        runs.append([run(script, *common, f"--rank={rank}") for rank in range(2)])
+    for ranks, (script, extra, started, victim, name) in zip(runs, cases):
+        ranks[1].wait_for(started)
+        os.kill(ranks[victim].pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        survivor = ranks[1 - victim].wait(HANG)
+        print(f"{script}: the survivor ended {survivor.ended - killed_at:.1f} s after the kill")
+        assert_one_paragraph(survivor, f"lost contact with rank {victim} ({name})")
+
+
+@pytest.mark.parametrize("script, world_size, extra, started, victim, name", [
+    # an observer, while the agent and the other observer still play:
+    ("rpc_rl_cartpole.py", 3, ["--log_interval=1"], "Episode 1\t", 2, "obs2"),
+    # a DDP trainer (--world_size 3: trainer 0, the master, the parameter server):
+    ("ddp_rpc_hybrid.py", 3, ["--epochs", 100000], "Training done for epoch 0", 0, "trainer0"),
+])
+def test_a_rank_killed_in_a_one_command_run(run, script, world_size, extra, started, victim, name):
+    launcher = run(script, f"--world_size={world_size}", "--timeout", TIMEOUT, *extra)
+    launcher.wait_for(started)
+    ranks = launcher.processes_left(children_only=True)  # forked in rank order
+    assert len(ranks) == world_size, launcher
+    os.kill(ranks[victim], signal.SIGKILL)
+    launcher.wait(HANG)
+    assert launcher.returncode == 1, launcher
+    assert "Traceback" not in launcher.err and "frame #" not in launcher.err, launcher
+    # Every other rank says what it lost (a rank that stopped because of the loss may be named too),
+    # then the launcher says which rank ended and that it stopped the rest.
+    for rank in set(range(world_size)) - {victim}:
+        assert re.search(rf"^Error on rank {rank} \(\w+\): lost contact with [^:]*rank {victim} \({name}\)",
+                         launcher.err, re.M), launcher
+    assert launcher.err.strip().splitlines()[-1] == f"Rank {victim} ({name}) ended with SIGKILL: stopped every rank."
 
 
 def test_two_one_command_runs_at_once_each_on_its_own_port(run):
@@ -111,25 +116,27 @@ def test_two_one_command_runs_at_once_each_on_its_own_port(run):
     assert ports[0] != ports[1]
 
 
-@pytest.mark.parametrize("how", ["Ctrl-C", "SIGTERM to the launcher", "SIGKILL to the launcher"])
-def test_stopping_a_one_command_run_stops_every_rank(run, how):
-    launcher = run(SCRIPT, "--epochs", 100000, "--timeout", TIMEOUT)
-    launcher.wait_for("Training epoch 0 loss")
-    if how == "Ctrl-C":
-        os.killpg(launcher.pid, signal.SIGINT)  # the terminal sends it to the whole foreground group
-    else:
-        os.kill(launcher.pid, signal.SIGTERM if how == "SIGTERM to the launcher" else signal.SIGKILL)
-    stopped_at = time.monotonic()
-    launcher.wait(HANG)
-    # Ranks whose launcher was killed outright get SIGINT from the kernel (torch.multiprocessing asks for it).
-    while launcher.processes_left() and time.monotonic() - stopped_at < HANG:
-        time.sleep(0.1)
-    print(f"{how}: every process gone {time.monotonic() - stopped_at:.1f} s after the signal")
-    assert launcher.processes_left() == [], f"{how}: ranks left running"
-    assert launcher.returncode != 0
-    assert "Traceback" not in launcher.err and "frame #" not in launcher.err, launcher
-    if how != "SIGKILL to the launcher":
-        assert "Interrupted: stopping every rank." in launcher.err, launcher
+def test_stopping_a_one_command_run_stops_every_rank(run):
+    # Three runs side by side, each stopped its own way.
+    launchers = {how: run(SCRIPT, "--epochs", 100000, "--timeout", TIMEOUT)
+                 for how in ("Ctrl-C", "SIGTERM to the launcher", "SIGKILL to the launcher")}
+    for how, launcher in launchers.items():
+        launcher.wait_for("Training epoch 0 loss")
+        if how == "Ctrl-C":
+            os.killpg(launcher.pid, signal.SIGINT)  # the terminal sends it to the whole foreground group
+        else:
+            os.kill(launcher.pid, signal.SIGTERM if how == "SIGTERM to the launcher" else signal.SIGKILL)
+        stopped_at = time.monotonic()
+        launcher.wait(HANG)
+        # Ranks whose launcher was killed outright get SIGINT from the kernel (torch.multiprocessing asks for it).
+        while launcher.processes_left() and time.monotonic() - stopped_at < HANG:
+            time.sleep(0.1)
+        print(f"{how}: every process gone {time.monotonic() - stopped_at:.1f} s after the signal")
+        assert launcher.processes_left() == [], f"{how}: ranks left running"
+        assert launcher.returncode != 0, launcher
+        assert "Traceback" not in launcher.err and "frame #" not in launcher.err, launcher
+        if how != "SIGKILL to the launcher":
+            assert "Interrupted: stopping every rank." in launcher.err, launcher
 
 
 def test_torchrun_sets_the_ranks(run):
