@@ -394,7 +394,7 @@ def _launch_all(args):
     ranks = mp.start_processes(_rank_main, args=(args,), nprocs=args.world_size, join=False, start_method="fork")
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` stops the ranks as Ctrl-C does
     try:
-        while not ranks.join(grace_period=5):  # on a failure the others get 5 s to report what they saw
+        while not ranks.join(grace_period=10):  # on a failure the others get 10 s to report what they saw
             pass
         return 0
     except mp.ProcessExitedException as exc:

@@ -31,7 +31,7 @@ class Run:
     """One script started as a user would, in its own session; output read as it comes."""
 
     def __init__(self, script, args, cwd, env=None, prefix=(), python_args=()):
-        self.started = time.monotonic()
+        self.started, self.cwd = time.monotonic(), Path(cwd)
         self.proc = subprocess.Popen(
             [*prefix, sys.executable, *python_args, str(ROOT / script), *map(str, args)],
             cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -121,6 +121,25 @@ def run(tmp_path):
 
     yield start
     for proc in started:
+        proc.kill()
+        proc.proc.wait()
+
+
+@pytest.fixture(scope="session")
+def smoke_runs(tmp_path_factory, tiny_mnist):
+    """One run of each script as a user starts it (one command, tiny data), all four
+    started at once on first use, so that they share the machine's cores; each
+    script's own test file checks its run's output."""
+    commands = {
+        "rpc_parameter_server.py": ["--world_size=3", "--epochs", 2, *tiny_mnist_flags(tiny_mnist), "--save_model", "model.pt"],
+        "rpc_rl_cartpole.py": ["--world_size=3", "--max_episodes=3", "--log_interval=1"],
+        "rpc_rnn_model_parallel.py": ["--epochs", 4],
+        "ddp_rpc_hybrid.py": ["--epochs", 4],
+    }
+    runs = {script: Run(script, [*args, "--timeout", 60], cwd=tmp_path_factory.mktemp(script[:-3]))
+            for script, args in commands.items()}
+    yield runs
+    for proc in runs.values():
         proc.kill()
         proc.proc.wait()
 

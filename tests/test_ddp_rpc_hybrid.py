@@ -8,7 +8,7 @@ import torch
 import ddp_rpc_hybrid as hybrid
 
 SCRIPT = "ddp_rpc_hybrid.py"
-EPOCHS = 4
+EPOCHS = 4  # as conftest.smoke_runs starts it
 
 
 def epoch_losses(out, trainer):
@@ -22,8 +22,8 @@ def summary(out):
     return found.groups()
 
 
-def test_one_command_two_ddp_trainers_in_sync(run):
-    proc = run(SCRIPT, "--epochs", EPOCHS, "--timeout", 30).wait()
+def test_one_command_two_ddp_trainers_in_sync(smoke_runs):
+    proc = smoke_runs[SCRIPT].wait()
     assert proc.returncode == 0, proc
     epochs, *last_losses, in_sync = summary(proc.out)
     assert int(epochs) == EPOCHS

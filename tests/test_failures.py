@@ -83,37 +83,38 @@ def test_a_rank_killed_mid_run_stops_the_other_rank(run, tiny_mnist):
         assert_one_paragraph(survivor, f"lost contact with rank {victim} ({name})")
 
 
-@pytest.mark.parametrize("script, world_size, extra, started, victim, name", [
-    # an observer, while the agent and the other observer still play:
-    ("rpc_rl_cartpole.py", 3, ["--log_interval=1"], "Episode 1\t", 2, "obs2"),
-    # a DDP trainer (--world_size 3: trainer 0, the master, the parameter server):
-    ("ddp_rpc_hybrid.py", 3, ["--epochs", 100000], "Training done for epoch 0", 0, "trainer0"),
-])
-def test_a_rank_killed_in_a_one_command_run(run, script, world_size, extra, started, victim, name):
-    launcher = run(script, f"--world_size={world_size}", "--timeout", TIMEOUT, *extra)
-    launcher.wait_for(started)
-    ranks = launcher.processes_left(children_only=True)  # forked in rank order
-    assert len(ranks) == world_size, launcher
-    os.kill(ranks[victim], signal.SIGKILL)
-    launcher.wait(HANG)
-    assert launcher.returncode == 1, launcher
-    assert "Traceback" not in launcher.err and "frame #" not in launcher.err, launcher
-    # Every other rank says what it lost (a rank that stopped because of the loss may be named too),
-    # then the launcher says which rank ended and that it stopped the rest.
-    for rank in set(range(world_size)) - {victim}:
-        assert re.search(rf"^Error on rank {rank} \(\w+\): lost contact with [^:]*rank {victim} \({name}\)",
-                         launcher.err, re.M), launcher
-    assert launcher.err.strip().splitlines()[-1] == f"Rank {victim} ({name}) ended with SIGKILL: stopped every rank."
+def test_a_rank_killed_in_a_one_command_run(run):
+    # Two scripts side by side: an RL observer dies while the agent and the other
+    # observer still play; a DDP trainer dies (world size 3: trainer 0, the master,
+    # the parameter server).
+    cases = [("rpc_rl_cartpole.py", ["--log_interval=1"], "Episode 1\t", 2, "obs2"),
+             ("ddp_rpc_hybrid.py", ["--epochs", 100000], "Training done for epoch 0", 0, "trainer0")]
+    launchers = [run(script, "--world_size=3", "--timeout", TIMEOUT, *extra) for script, extra, *_ in cases]
+    for launcher, (script, extra, started, victim, name) in zip(launchers, cases):
+        launcher.wait_for(started)
+        ranks = launcher.processes_left(children_only=True)  # forked in rank order
+        assert len(ranks) == 3, launcher
+        os.kill(ranks[victim], signal.SIGKILL)
+    for launcher, (script, extra, started, victim, name) in zip(launchers, cases):
+        launcher.wait(HANG)
+        assert launcher.returncode == 1, launcher
+        assert "Traceback" not in launcher.err and "frame #" not in launcher.err, launcher
+        # Every other rank says what it lost (a rank that stopped because of the loss may be named too),
+        # then the launcher says which rank ended and that it stopped the rest.
+        for rank in {0, 1, 2} - {victim}:
+            assert re.search(rf"^Error on rank {rank} \(\w+\): lost contact with [^:]*rank {victim} \({name}\)",
+                             launcher.err, re.M), launcher
+        assert launcher.err.strip().splitlines()[-1] == f"Rank {victim} ({name}) ended with SIGKILL: stopped every rank."
 
 
-def test_two_one_command_runs_at_once_each_on_its_own_port(run):
-    first, second = run(SCRIPT, "--epochs", 4, "--timeout", 30), run(SCRIPT, "--epochs", 4, "--timeout", 30)
-    for proc in (first.wait(HANG), second.wait(HANG)):
+def test_one_command_runs_at_once_each_on_its_own_port(smoke_runs):
+    # The four smoke runs (conftest.py) ran at the same time: each picked a free port of its own.
+    ports = []
+    for proc in smoke_runs.values():
+        proc.wait()
         assert proc.returncode == 0, proc
-        assert re.search(r"^Starting 2 ranks; rank 0 listens on localhost:\d+$", proc.out, re.M), proc
-        assert "Summary: epochs=4 " in proc.out
-    ports = [re.search(r"listens on localhost:(\d+)", proc.out).group(1) for proc in (first, second)]
-    assert ports[0] != ports[1]
+        ports.append(re.search(r"^Starting \d ranks; rank 0 listens on localhost:(\d+)$", proc.out, re.M).group(1))
+    assert len(set(ports)) == len(ports)
 
 
 def test_stopping_a_one_command_run_stops_every_rank(run):

@@ -3,19 +3,15 @@ import re
 
 import torch
 
-from conftest import free_port, tiny_mnist_flags
-
 import rpc_parameter_server as ps
 
 SCRIPT = "rpc_parameter_server.py"
 
 
-def test_one_command_with_two_trainers(run, tiny_mnist, tmp_path):
+def test_one_command_with_two_trainers(smoke_runs):
     # World size 3: the tutorial's code would crash here as soon as one
     # trainer steps while the other is between forward and backward.
-    model_path = tmp_path / "model.pt"
-    proc = run(SCRIPT, "--world_size", 3, "--epochs", 2, "--timeout", 30, *tiny_mnist_flags(tiny_mnist),
-               "--save_model", model_path).wait()
+    proc = smoke_runs[SCRIPT].wait()
     assert proc.returncode == 0, proc
     for rank in (1, 2):
         for epoch in (0, 1):  # 64 images in batches of 8: batches 0..7, a line every 2
@@ -26,7 +22,7 @@ def test_one_command_with_two_trainers(run, tiny_mnist, tmp_path):
     assert proc.out.count("Training complete!") == 2 and proc.out.count("Summary:") == 2
     assert len(re.findall(r"^Accuracy (0\.\d{4}|1\.0000)$", proc.out, re.M)) == 2
     assert "RPC shutdown on parameter server." in proc.out
-    ps.Net().load_state_dict(torch.load(model_path))  # the saved weights fit the tutorial's Net
+    ps.Net().load_state_dict(torch.load(proc.cwd / "model.pt"))  # the saved weights fit the tutorial's Net
 
 
 def test_missing_data_is_explained(tmp_path, capsys):

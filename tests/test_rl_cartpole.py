@@ -18,8 +18,8 @@ def assert_played(out, episodes):
     assert int(summary.group(2)) >= 8 * episodes  # CartPole cannot fall in fewer than 8 steps
 
 
-def test_one_command_two_observers(run):
-    proc = run(SCRIPT, "--world_size=3", "--max_episodes=3", "--log_interval=1", "--timeout", 30).wait()
+def test_one_command_two_observers(smoke_runs):
+    proc = smoke_runs[SCRIPT].wait()
     assert proc.returncode == 0, proc
     assert_played(proc.out, episodes=3)
 

@@ -1,12 +1,25 @@
 """rpc_rnn_model_parallel.py: the RNN split between a parameter server and a trainer.
 
-Runs of the script itself are in test_failures.py: two one-command runs at once,
-and one rank per network namespace."""
+More runs of the script are in test_failures.py: two at once, torchrun, one rank
+per network namespace."""
+import re
+
 import torch.distributed.rpc as rpc
 import torch.nn as nn
 from torch.distributed.rpc import PyRRef  # RRefs that come back over RPC are PyRRef, the base of RRef
 
 import rpc_rnn_model_parallel as rnn
+
+SCRIPT = "rpc_rnn_model_parallel.py"
+
+
+def test_one_command_learns(smoke_runs):
+    proc = smoke_runs[SCRIPT].wait()
+    assert proc.returncode == 0, proc
+    losses = [float(x) for x in re.findall(r"^Training epoch \d+ loss (\d+\.\d{4})$", proc.out, re.M)]
+    assert len(losses) == 4 and losses[-1] < losses[0] - 0.1, f"the loss should fall: {proc.out}"
+    assert re.search(rf"^Summary: epochs=4 seconds=[\d.]+ final_loss={losses[-1]:.4f}$", proc.out, re.M), proc
+    assert "Traceback" not in proc.err, proc
 
 
 def check_parameter_rrefs_cover_all_three_parts():
