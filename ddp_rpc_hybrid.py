@@ -43,8 +43,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 NUM_EMBEDDINGS = 100
 EMBEDDING_DIM = 16
 NUM_CLASSES = 8
-# TCP (uv) only: TensorPipe's shared-memory transport busy-polls a core in every process, which training needs.
-RPC_TRANSPORTS = ["uv"]
+# TensorPipe's default transports (no benchmark here shows that another choice pays).
+RPC_TRANSPORTS = None
 
 
 # --------- The model: a remote embedding table and a DDP-replicated layer -----

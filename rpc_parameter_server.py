@@ -40,7 +40,7 @@ from torch.distributed.optim import DistributedOptimizer
 
 PS_NAME = "parameter_server"
 TRAINER_NAME = "trainer_{}"
-# TCP (uv) only: TensorPipe's shared-memory transport busy-polls a core in every process, which training needs.
+# TCP (uv) only: the shared-memory transport's busy polling slows training (README, "Benchmarks").
 RPC_TRANSPORTS = ["uv"]
 
 

@@ -44,7 +44,7 @@ from torch.distributions import Categorical
 AGENT_NAME = "agent"
 OBSERVER_NAME = "obs{}"
 ENV_NAME = "CartPole-v1"
-# TensorPipe's default transports (shared memory within a machine): every step waits on one RPC, so latency rules.
+# TensorPipe's default transports (shared memory within a machine): every step waits on one RPC round trip.
 RPC_TRANSPORTS = None
 
 

@@ -40,8 +40,8 @@ from torch.distributed.rpc import RRef
 
 PS_NAME = "ps"
 TRAINER_NAME = "trainer"
-# TCP (uv) only: TensorPipe's shared-memory transport busy-polls a core in every process, which training needs.
-RPC_TRANSPORTS = ["uv"]
+# TensorPipe's default transports (no benchmark here shows that another choice pays).
+RPC_TRANSPORTS = None
 
 
 # --------- Distributed modules --------------------
