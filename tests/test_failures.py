@@ -23,7 +23,7 @@ import pytest
 from conftest import free_port, tiny_mnist_flags
 
 SCRIPT = "rpc_rnn_model_parallel.py"
-TIMEOUT = 10  # --timeout for these runs
+TIMEOUT = 30  # --timeout for these runs: a killed peer is noticed at once, a busy machine is no failure
 HANG = TIMEOUT + 30  # a test's own limit: far above what the scripts promise
 
 
@@ -50,10 +50,11 @@ def test_failures_before_the_group_meets(run):
             "a peer that never arrives": run(SCRIPT, "--world_size=2", "--rank=1", "--master_port", never, "--timeout", 2),
             "a taken port": run(SCRIPT, "--world_size=2", "--rank=0", "--master_port", taken, "--timeout", TIMEOUT),
             "a missing interface": run(SCRIPT, "--world_size=2", "--rank=0", "--ifname", "eth9", "--timeout", TIMEOUT),
-            # The RL example takes any world size: rank 0 says 2, rank 1 says 3.
-            "world size 2": run("rpc_rl_cartpole.py", "--world_size=2", "--rank=0", "--master_port", disagree, "--timeout", 2),
-            "world size 3": run("rpc_rl_cartpole.py", "--world_size=3", "--rank=1", "--master_port", disagree, "--timeout", 2),
+            # The RL example takes any world size: rank 1 says 3, then rank 0 says 2 (and gives up after 2 s).
+            "world size 3": run("rpc_rl_cartpole.py", "--world_size=3", "--rank=1", "--master_port", disagree, "--timeout", TIMEOUT),
         }
+        runs["world size 3"].wait_for("Rank 1: waiting")
+        runs["world size 2"] = run("rpc_rl_cartpole.py", "--world_size=2", "--rank=0", "--master_port", disagree, "--timeout", 2)
         for proc in runs.values():
             proc.wait(HANG)
     assert f"Rank 1: waiting up to 2 s for all 2 processes to meet at localhost:{never}" in runs["a peer that never arrives"].out
