@@ -386,8 +386,7 @@ def _launch_all(args):
             sock.bind((args.master_addr, 0))
             args.master_port = sock.getsockname()[1]
     print(f"Starting {args.world_size} ranks; rank 0 listens on {args.master_addr}:{args.master_port}", flush=True)
-    # fork: the ranks need not import torch again, and this process has neither started CUDA nor threads.
-    ranks = mp.start_processes(_rank_main, args=(args,), nprocs=args.world_size, join=False, start_method="fork")
+    ranks = mp.start_processes(_rank_main, args=(args,), nprocs=args.world_size, join=False, start_method="spawn")
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` stops the ranks as Ctrl-C does
     try:
         while not ranks.join(grace_period=10):  # on a failure the others get 10 s to report what they saw
