@@ -43,8 +43,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 NUM_EMBEDDINGS = 100
 EMBEDDING_DIM = 16
 NUM_CLASSES = 8
-# TensorPipe's default transports (no benchmark here shows that another choice pays).
-RPC_TRANSPORTS = None
+# TCP (uv) only: the shared-memory transport busy-polls and starves other runs on the machine (README,
+# "Sharing a machine"); the choice is a private option until pytorch/pytorch#33982.
+RPC_TRANSPORTS = ["uv"]
 
 
 # --------- The model: a remote embedding table and a DDP-replicated layer -----

@@ -40,7 +40,8 @@ from torch.distributed.optim import DistributedOptimizer
 
 PS_NAME = "parameter_server"
 TRAINER_NAME = "trainer_{}"
-# TCP (uv) only: the shared-memory transport's busy polling slows training (README, "Benchmarks").
+# TCP (uv) only: the shared-memory transport busy-polls and starves other runs on the machine (README,
+# "Sharing a machine"); the choice is a private option until pytorch/pytorch#33982.
 RPC_TRANSPORTS = ["uv"]
 
 

@@ -44,8 +44,9 @@ from torch.distributions import Categorical
 AGENT_NAME = "agent"
 OBSERVER_NAME = "obs{}"
 ENV_NAME = "CartPole-v1"
-# TensorPipe's default transports (shared memory within a machine): every step waits on one RPC round trip.
-RPC_TRANSPORTS = None
+# TCP (uv) only: the shared-memory transport busy-polls and starves other runs on the machine (README,
+# "Sharing a machine"); the choice is a private option until pytorch/pytorch#33982.
+RPC_TRANSPORTS = ["uv"]
 
 
 # --------- Policy --------------------

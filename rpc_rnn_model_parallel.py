@@ -40,8 +40,9 @@ from torch.distributed.rpc import RRef
 
 PS_NAME = "ps"
 TRAINER_NAME = "trainer"
-# TensorPipe's default transports (no benchmark here shows that another choice pays).
-RPC_TRANSPORTS = None
+# TCP (uv) only: the shared-memory transport busy-polls and starves other runs on the machine (README,
+# "Sharing a machine"); the choice is a private option until pytorch/pytorch#33982.
+RPC_TRANSPORTS = ["uv"]
 
 
 # --------- Distributed modules --------------------
