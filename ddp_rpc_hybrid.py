@@ -324,7 +324,7 @@ def _pick_interface(rank, args):
 _watching, _finished, _report_lock = threading.Event(), threading.Event(), threading.Lock()
 
 
-def _init_rpc(name, rank, world_size, args):
+def _init_rpc(name, rank, world_size, args, num_worker_threads=16):
     """rpc.init_rpc, but every rank waits at most --timeout for the others (init_rpc alone: 30 minutes)."""
     _pick_interface(rank, args)
     where = f"{args.master_addr}:{args.master_port}"
@@ -352,7 +352,8 @@ def _init_rpc(name, rank, world_size, args):
                           f"--master_port within --timeout of each other, and check that {where} is reachable.") from exc
     # init_rpc's rendezvous shares the store above (multi_tenant) and finds every rank already there.
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = args.master_addr, str(args.master_port)
-    options = rpc.TensorPipeRpcBackendOptions(init_method="env://", rpc_timeout=args.timeout, _transports=RPC_TRANSPORTS)
+    options = rpc.TensorPipeRpcBackendOptions(init_method="env://", rpc_timeout=args.timeout, _transports=RPC_TRANSPORTS,
+                                           num_worker_threads=num_worker_threads)
     rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)
 
     def watch():  # a rank hears of a dead peer only when it calls it: so call every peer each second
