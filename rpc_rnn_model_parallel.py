@@ -130,6 +130,10 @@ class RNNModel(nn.Module):
         super().__init__()
         # setup embedding table remotely
         self.emb_table_rref = rpc.remote(ps, EmbeddingTable, args=(ntoken, ninp, dropout))
+        # rpc.remote returns before the table is built, and the decoder's constructor draws from the same random
+        # generator on the parameter server: wait for the table, so that --seed gives the same weights every run.
+        # (RRef has no public wait; _get_future() is the creation future that torch's own profiler waits on.)
+        self.emb_table_rref._get_future().wait()
         # setup LSTM locally (nn.LSTM's own dropout only acts between layers)
         self.rnn = nn.LSTM(ninp, nhid, nlayers, dropout=dropout if nlayers > 1 else 0.0)
         # setup decoder remotely
