@@ -227,7 +227,10 @@ def run_agent(world_size, args):
 
 def run_worker(rank, world_size, args):
     torch.manual_seed(args.seed + rank)
-    _init_rpc(worker_name(rank, world_size), rank, world_size, args)
+    # The agent answers every select_action on one RPC thread: autograd orders the backward pass by each thread's
+    # own node counter, so graphs built on whichever of 16 threads was free sum the gradients in a different order
+    # from run to run, and the same --seed drifts apart. Observers keep several: one plays, another answers pings.
+    _init_rpc(worker_name(rank, world_size), rank, world_size, args, num_worker_threads=1 if rank == 0 else 16)
     if rank == 0:
         # Rank 0 is the agent
         run_agent(world_size, args)
