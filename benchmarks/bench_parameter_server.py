@@ -4,11 +4,13 @@ Both sides train one epoch on the same MNIST images in the same order (batch
 32, SGD lr 0.03, the script's seeds), on CPU, in this one invocation, in
 --rounds alternating rounds of (single process, RPC). The RPC side is the
 script's own code at world size 2 in two spawned processes: rank 0 is
-rpc_parameter_server.run_rank(0), rank 1 a copy of run_training_loop with a
-clock between its steps. Prints every round, then the machine, the median
+rpc_parameter_server.run_rank(0), rank 1 run_rank(1) with a copy of
+run_training_loop that has a clock between its steps. Prints every round, then the machine, the median
 milliseconds per batch of each phase (data loading, forward, backward,
-optimizer step, the rest) for both sides, and the medians, ranges and ratio
-of the whole, all as key=value pairs.
+optimizer step, the rest) for both sides, plus the parameter server's own
+forward and backward compute timed inside it (server_forward within forward,
+server_backward within backward: the rest of those phases is the round trip),
+and the medians, ranges and ratio of the whole, all as key=value pairs.
 
     python benchmarks/bench_parameter_server.py --data_dir PATH [--rounds 3]
 
@@ -19,6 +21,7 @@ images are used unless --train_samples/--test_samples say otherwise.
 import argparse
 import os
 import sys
+import time
 from statistics import median
 
 import torch
@@ -34,6 +37,7 @@ from common import (PhaseClock, captured_stdout, free_port, machine, phase_media
                     run_rpc_round, same, spread)
 
 PHASES = ("load", "forward", "backward", "step", "other")
+SERVER_PHASES = ("server_forward", "server_backward")  # inside rpc_forward and rpc_backward, timed on the server
 TRAINER_RANK = 1  # its data order is the one both sides train on
 
 
@@ -69,20 +73,53 @@ def single_round(args):
     return figures(clock, len(train_loader), accuracy)
 
 
+def time_the_server():
+    """Clocks inside the parameter server: its forward passes, and its part of each distributed backward pass
+    (from the gradient of its output arriving to that of conv1's weight, the last one it computes)."""
+    totals = {"forward": 0.0, "backward": 0.0}
+    started = []
+    forward, net_init = ps.ParameterServer.forward, ps.Net.__init__
+
+    def timed_forward(self, inp, training=True):
+        begin = time.perf_counter()
+        out = forward(self, inp, training)
+        if training:
+            totals["forward"] += time.perf_counter() - begin
+            out.register_hook(lambda grad: started.append(time.perf_counter()))
+        return out
+
+    def backward_ends(grad):
+        totals["backward"] += time.perf_counter() - started.pop()
+
+    def hook_conv1_weight(module, inputs):  # functional_call has swapped in this pass's clone of the weight
+        if torch.is_grad_enabled():
+            module.weight.register_hook(backward_ends)
+
+    def timed_net_init(self, *args, **kwargs):
+        net_init(self, *args, **kwargs)
+        self.conv1.register_forward_pre_hook(hook_conv1_weight)
+
+    ps.ParameterServer.forward, ps.Net.__init__ = timed_forward, timed_net_init
+    return totals
+
+
 def rpc_rank(rank, args):
     """One process of the RPC side: rank 0 the script's parameter server, rank 1 the timed trainer."""
     with captured_stdout():  # the script's progress lines; errors still reach stderr
         if hasattr(ps, "_set_rendezvous_env"):  # plumbing where _init_rpc does not set MASTER_ADDR/PORT itself
             ps._set_rendezvous_env(rank, args)
         if rank == 0:
+            totals = time_the_server()
             ps.run_rank(0, args)
-            return {}
-        torch.manual_seed(args.seed + rank)  # as run_rank seeds every rank
-        train_loader, test_loader = ps.load_mnist(args, rank)
-        ps._init_rpc(ps.TRAINER_NAME.format(rank), rank, args.world_size, args)
-        result = timed_training_loop(args, train_loader, test_loader)
-        ps._shutdown(rank, args.world_size, args)
-    return {"rpc": result}
+            return {"server": totals}
+        result = {}
+
+        def run_training_loop(rank, num_gpus, train_loader, test_loader, *rest):  # the script's, timed
+            result["rpc"] = timed_training_loop(args, train_loader, test_loader)
+
+        ps.run_training_loop = run_training_loop
+        ps.run_rank(rank, args)  # everything else as the script sets a trainer up
+    return result
 
 
 def timed_training_loop(args, train_loader, test_loader):
@@ -127,7 +164,10 @@ def main():
     try:
         for n in range(1, bench.rounds + 1):  # alternate, so that a busy spell on the machine hits both sides
             singles.append(single_round(ps.parse_args(flags)))
-            rpcs.append(run_rpc_round(rpc_rank, ps.parse_args(flags + ["--master_port", str(free_port())]))["rpc"])
+            sides = run_rpc_round(rpc_rank, ps.parse_args(flags + ["--master_port", str(free_port())]))
+            for phase, seconds in sides["server"].items():  # inside the server, a part of forward and backward
+                sides["rpc"]["phases"][f"server_{phase}"] = 1000 * seconds / sides["rpc"]["batches"]
+            rpcs.append(sides["rpc"])
             single, rpc = singles[-1]["ms_per_batch"], rpcs[-1]["ms_per_batch"]
             print(f"round={n} single_ms_per_batch={single:.1f} rpc_ms_per_batch={rpc:.1f} ratio={rpc / single:.2f} "
                   f"single_accuracy={singles[-1]['accuracy']:.4f} rpc_accuracy={rpcs[-1]['accuracy']:.4f}", flush=True)
@@ -140,7 +180,7 @@ def main():
     rpc_ms = [r["ms_per_batch"] for r in rpcs]
     print(machine())
     print("phase_ms_per_batch=median", phase_medians("single", [r["phases"] for r in singles], PHASES, 1),
-          phase_medians("rpc", [r["phases"] for r in rpcs], PHASES, 1))
+          phase_medians("rpc", [r["phases"] for r in rpcs], PHASES + SERVER_PHASES, 1))
     print(f"bench=parameter_server world_size=2 rounds={bench.rounds} batches={singles[0]['batches']} "
           f"seed={bench.seed} {spread('single_ms_per_batch', single_ms, 1)} {spread('rpc_ms_per_batch', rpc_ms, 1)} "
           f"ratio={median(rpc_ms) / median(single_ms):.2f} "
