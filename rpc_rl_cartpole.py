@@ -227,6 +227,8 @@ def run_agent(world_size, args):
 
 def run_worker(rank, world_size, args):
     torch.manual_seed(args.seed + rank)
+    # The policy is tiny: a second intra-op thread only spins, and competes with the other ranks for the cores.
+    torch.set_num_threads(1)
     # The agent answers every select_action on one RPC thread: autograd orders the backward pass by each thread's
     # own node counter, so graphs built on whichever of 16 threads was free sum the gradients in a different order
     # from run to run, and the same --seed drifts apart. Observers keep several: one plays, another answers pings.

@@ -12,7 +12,7 @@ forward and backward compute timed inside it (server_forward within forward,
 server_backward within backward: the rest of those phases is the round trip),
 and the medians, ranges and ratio of the whole, all as key=value pairs.
 
-    python benchmarks/bench_parameter_server.py --data_dir PATH [--rounds 3]
+    python benchmarks/bench_parameter_server.py --data_dir PATH [--rounds 3] [--transports default]
 
 --data_dir is an MNIST root as the script takes it (default: the script's
 ./data, downloaded when missing); the first 8,000 training and 2,000 test
@@ -108,6 +108,8 @@ def rpc_rank(rank, args):
     with captured_stdout():  # the script's progress lines; errors still reach stderr
         if hasattr(ps, "_set_rendezvous_env"):  # plumbing where _init_rpc does not set MASTER_ADDR/PORT itself
             ps._set_rendezvous_env(rank, args)
+        if args.transports != "script":
+            ps.RPC_TRANSPORTS = None if args.transports == "default" else args.transports.split(",")
         if rank == 0:
             totals = time_the_server()
             ps.run_rank(0, args)
@@ -152,6 +154,8 @@ def main():
     parser.add_argument("--train_samples", type=int, default=8000, help="first N training images")
     parser.add_argument("--test_samples", type=int, default=2000, help="first N test images")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--transports", default="script",
+                        help="TensorPipe transports of the RPC side: script (the script's own), default (TensorPipe's), or e.g. uv")
     bench = parser.parse_args()
     if bench.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {bench.rounds}")
@@ -164,7 +168,9 @@ def main():
     try:
         for n in range(1, bench.rounds + 1):  # alternate, so that a busy spell on the machine hits both sides
             singles.append(single_round(ps.parse_args(flags)))
-            sides = run_rpc_round(rpc_rank, ps.parse_args(flags + ["--master_port", str(free_port())]))
+            rpc_args = ps.parse_args(flags + ["--master_port", str(free_port())])
+            rpc_args.transports = bench.transports
+            sides = run_rpc_round(rpc_rank, rpc_args)
             for phase, seconds in sides["server"].items():  # inside the server, a part of forward and backward
                 sides["rpc"]["phases"][f"server_{phase}"] = 1000 * seconds / sides["rpc"]["batches"]
             rpcs.append(sides["rpc"])
@@ -182,6 +188,7 @@ def main():
     print("phase_ms_per_batch=median", phase_medians("single", [r["phases"] for r in singles], PHASES, 1),
           phase_medians("rpc", [r["phases"] for r in rpcs], PHASES + SERVER_PHASES, 1))
     print(f"bench=parameter_server world_size=2 rounds={bench.rounds} batches={singles[0]['batches']} "
+          f"transports={bench.transports} "
           f"seed={bench.seed} {spread('single_ms_per_batch', single_ms, 1)} {spread('rpc_ms_per_batch', rpc_ms, 1)} "
           f"ratio={median(rpc_ms) / median(single_ms):.2f} "
           f"single_accuracy={accuracies(singles)} rpc_accuracy={accuracies(rpcs)}", flush=True)

@@ -9,15 +9,18 @@ each rank; only its observer's environment is timed (TimedObserver). Prints
 every round, then the machine, the median microseconds per environment step
 of each phase (select_action, for RPC the round trip the observer waits;
 env.step; env.reset; finish, the per-episode report and update, for RPC
-everything the observer does not see) for both sides, and the medians,
+everything the observer does not see) for both sides, plus the agent's own
+select_action timed inside it (agent_select_action, a part of the observer's
+select_action: the rest is the round trip), and the medians,
 ranges and ratio of the whole, all as key=value pairs.
 
-    python benchmarks/bench_rl_cartpole.py [--episodes 50] [--rounds 3]
+    python benchmarks/bench_rl_cartpole.py [--episodes 50] [--rounds 3] [--transports default]
 """
 import argparse
 import os
 import re
 import sys
+import time
 import warnings
 from statistics import median
 
@@ -96,9 +99,27 @@ def figures(totals, steps):
     return {"us_per_step": sum(us.values()), "phases": us, "steps": steps}
 
 
+def time_the_agent():
+    """A clock inside the agent: its own select_action, so the round trip is what the observer waits beyond it."""
+    totals = {"agent_select_action": 0.0}
+    select_action = rl.Agent.select_action
+
+    def timed_select_action(self, ob_id, state):
+        begin = time.perf_counter()
+        action = select_action(self, ob_id, state)
+        totals["agent_select_action"] += time.perf_counter() - begin
+        return action
+
+    rl.Agent.select_action = timed_select_action
+    return totals
+
+
 def rpc_rank(rank, args):
     """One process of the RPC side: the script's own rank, its observer a TimedObserver."""
     rl.Observer = TimedObserver  # the name the agent builds its observers from
+    if args.transports != "script":
+        rl.RPC_TRANSPORTS = None if args.transports == "default" else args.transports.split(",")
+    agent_clock = time_the_agent()
     with captured_stdout() as printed:  # the script's progress lines; errors still reach stderr
         if hasattr(rl, "_set_rendezvous_env"):  # plumbing where _init_rpc does not set MASTER_ADDR/PORT itself
             rl._set_rendezvous_env(rank, args)
@@ -109,7 +130,7 @@ def rpc_rank(rank, args):
     if summary is None:
         raise RuntimeError("rpc_rl_cartpole.py printed no Summary line")
     fields = dict(pair.split("=", 1) for pair in summary.group(1).split() if "=" in pair)
-    return {"steps": int(fields["steps"]), "us_per_step": float(fields["us_per_step"])}
+    return {"steps": int(fields["steps"]), "us_per_step": float(fields["us_per_step"]), "agent": agent_clock}
 
 
 def rpc_round(args):
@@ -117,7 +138,10 @@ def rpc_round(args):
     result = run_rpc_round(rpc_rank, args)
     seen = {phase: seconds for phase, seconds in result["observer"].items() if phase != "finish"}
     seen["finish"] = result["us_per_step"] * result["steps"] / 1e6 - sum(seen.values())
-    return figures(seen, result["steps"])
+    timed = figures(seen, result["steps"])
+    for phase, seconds in result["agent"].items():  # inside the agent: a part of select_action, not added again
+        timed["phases"][phase] = 1e6 * seconds / result["steps"]
+    return timed
 
 
 def main():
@@ -125,6 +149,8 @@ def main():
     parser.add_argument("--episodes", type=int, default=50)
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of (single process, RPC)")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--transports", default="script",
+                        help="TensorPipe transports of the RPC side: script (the script's own), default (TensorPipe's), or e.g. uv")
     bench = parser.parse_args()
     if bench.rounds < 1 or bench.episodes < 1:
         parser.error("--rounds and --episodes must be at least 1")
@@ -140,7 +166,9 @@ def main():
     try:
         for n in range(1, bench.rounds + 1):  # alternate, so that a busy spell on the machine hits both sides
             singles.append(single_round(rl.parse_args(flags)))
-            rpcs.append(rpc_round(rl.parse_args(flags + ["--master_port", str(free_port())])))
+            rpc_args = rl.parse_args(flags + ["--master_port", str(free_port())])
+            rpc_args.transports = bench.transports
+            rpcs.append(rpc_round(rpc_args))
             single, remote = singles[-1]["us_per_step"], rpcs[-1]["us_per_step"]
             print(f"round={n} single_us_per_step={single:.0f} rpc_us_per_step={remote:.0f} ratio={remote / single:.2f} "
                   f"single_steps={singles[-1]['steps']} rpc_steps={rpcs[-1]['steps']}", flush=True)
@@ -153,8 +181,9 @@ def main():
     rpc_us = [r["us_per_step"] for r in rpcs]
     print(machine())
     print("phase_us_per_step=median", phase_medians("single", [r["phases"] for r in singles], PHASES, 0),
-          phase_medians("rpc", [r["phases"] for r in rpcs], PHASES, 0))
+          phase_medians("rpc", [r["phases"] for r in rpcs], PHASES + ("agent_select_action",), 0))
     print(f"bench=rl_cartpole world_size=2 rounds={bench.rounds} episodes={bench.episodes} seed={bench.seed} "
+          f"transports={bench.transports} "
           f"single_steps={same([r['steps'] for r in singles])} rpc_steps={same([r['steps'] for r in rpcs])} "
           f"{spread('single_us_per_step', single_us, 0)} {spread('rpc_us_per_step', rpc_us, 0)} "
           f"ratio={median(rpc_us) / median(single_us):.2f}", flush=True)
