@@ -43,6 +43,7 @@ TRAINER_NAME = "trainer_{}"
 # TCP (uv) only: the shared-memory transport busy-polls and starves other runs on the machine (README,
 # "Sharing a machine"); the choice is a private option until pytorch/pytorch#33982.
 RPC_TRANSPORTS = ["uv"]
+PS_RPC_THREADS = 4
 
 
 # --------- MNIST Network to train, from pytorch/examples -----
@@ -178,7 +179,9 @@ def run_parameter_server(rank, world_size, args):
     # in this case means that the parameter server will wait for all trainers
     # to complete, and then exit.
     print("PS master initializing RPC")
-    _init_rpc(PS_NAME, rank, world_size, args)
+    # Forward passes run one at a time (forward_lock), so a few RPC threads serve any number of trainers; each
+    # thread that runs a pass brings its own OpenMP team and memory arena, and more of them only slow each pass.
+    _init_rpc(PS_NAME, rank, world_size, args, num_worker_threads=PS_RPC_THREADS)
     print("RPC initialized! Running parameter server...")
     _shutdown(rank, world_size, args)
     print("RPC shutdown on parameter server.")
@@ -267,6 +270,8 @@ def get_accuracy(test_loader, model):
 # Main loop for trainers.
 def run_worker(rank, world_size, num_gpus, train_loader, test_loader, args):
     print(f"Worker rank {rank} initializing RPC")
+    # A trainer only computes the loss: a second intra-op thread would spin against the parameter server's.
+    torch.set_num_threads(1)
     _init_rpc(TRAINER_NAME.format(rank), rank, world_size, args)
     print(f"Worker {rank} done initializing RPC")
     run_training_loop(rank, num_gpus, train_loader, test_loader, args.epochs, args.lr, args.log_interval)

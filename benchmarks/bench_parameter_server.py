@@ -12,7 +12,7 @@ forward and backward compute timed inside it (server_forward within forward,
 server_backward within backward: the rest of those phases is the round trip),
 and the medians, ranges and ratio of the whole, all as key=value pairs.
 
-    python benchmarks/bench_parameter_server.py --data_dir PATH [--rounds 3] [--transports default]
+    python benchmarks/bench_parameter_server.py --data_dir PATH [--rounds 3] [--transports default] [--rank_env none]
 
 --data_dir is an MNIST root as the script takes it (default: the script's
 ./data, downloaded when missing); the first 8,000 training and 2,000 test
@@ -33,7 +33,7 @@ from torch.distributed.optim import DistributedOptimizer
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
 import rpc_parameter_server as ps  # noqa: E402
-from common import (PhaseClock, captured_stdout, free_port, machine, phase_medians,  # noqa: E402
+from common import (add_rank_env_flag, PhaseClock, captured_stdout, free_port, machine, phase_medians,  # noqa: E402
                     run_rpc_round, same, spread)
 
 PHASES = ("load", "forward", "backward", "step", "other")
@@ -156,6 +156,7 @@ def main():
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--transports", default="script",
                         help="TensorPipe transports of the RPC side: script (the script's own), default (TensorPipe's), or e.g. uv")
+    add_rank_env_flag(parser)
     bench = parser.parse_args()
     if bench.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {bench.rounds}")
@@ -170,7 +171,7 @@ def main():
             singles.append(single_round(ps.parse_args(flags)))
             rpc_args = ps.parse_args(flags + ["--master_port", str(free_port())])
             rpc_args.transports = bench.transports
-            sides = run_rpc_round(rpc_rank, rpc_args)
+            sides = run_rpc_round(rpc_rank, rpc_args, rank_env=bench.rank_env)
             for phase, seconds in sides["server"].items():  # inside the server, a part of forward and backward
                 sides["rpc"]["phases"][f"server_{phase}"] = 1000 * seconds / sides["rpc"]["batches"]
             rpcs.append(sides["rpc"])
@@ -188,7 +189,7 @@ def main():
     print("phase_ms_per_batch=median", phase_medians("single", [r["phases"] for r in singles], PHASES, 1),
           phase_medians("rpc", [r["phases"] for r in rpcs], PHASES + SERVER_PHASES, 1))
     print(f"bench=parameter_server world_size=2 rounds={bench.rounds} batches={singles[0]['batches']} "
-          f"transports={bench.transports} "
+          f"transports={bench.transports} rank_env={bench.rank_env} "
           f"seed={bench.seed} {spread('single_ms_per_batch', single_ms, 1)} {spread('rpc_ms_per_batch', rpc_ms, 1)} "
           f"ratio={median(rpc_ms) / median(single_ms):.2f} "
           f"single_accuracy={accuracies(singles)} rpc_accuracy={accuracies(rpcs)}", flush=True)

@@ -14,7 +14,7 @@ select_action timed inside it (agent_select_action, a part of the observer's
 select_action: the rest is the round trip), and the medians,
 ranges and ratio of the whole, all as key=value pairs.
 
-    python benchmarks/bench_rl_cartpole.py [--episodes 50] [--rounds 3] [--transports default]
+    python benchmarks/bench_rl_cartpole.py [--episodes 50] [--rounds 3] [--transports default] [--rank_env none]
 """
 import argparse
 import os
@@ -31,7 +31,7 @@ import torch.distributed.rpc as rpc
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
 import rpc_rl_cartpole as rl  # noqa: E402
-from common import (PhaseClock, captured_stdout, free_port, machine, phase_medians,  # noqa: E402
+from common import (add_rank_env_flag, PhaseClock, captured_stdout, free_port, machine, phase_medians,  # noqa: E402
                     run_rpc_round, same, spread)
 
 PHASES = ("select_action", "env_step", "reset", "finish")
@@ -133,9 +133,9 @@ def rpc_rank(rank, args):
     return {"steps": int(fields["steps"]), "us_per_step": float(fields["us_per_step"]), "agent": agent_clock}
 
 
-def rpc_round(args):
+def rpc_round(args, rank_env):
     """The script's run with its own us_per_step; what its observer did not see is the agent's finish."""
-    result = run_rpc_round(rpc_rank, args)
+    result = run_rpc_round(rpc_rank, args, rank_env=rank_env)
     seen = {phase: seconds for phase, seconds in result["observer"].items() if phase != "finish"}
     seen["finish"] = result["us_per_step"] * result["steps"] / 1e6 - sum(seen.values())
     timed = figures(seen, result["steps"])
@@ -151,6 +151,7 @@ def main():
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--transports", default="script",
                         help="TensorPipe transports of the RPC side: script (the script's own), default (TensorPipe's), or e.g. uv")
+    add_rank_env_flag(parser)
     bench = parser.parse_args()
     if bench.rounds < 1 or bench.episodes < 1:
         parser.error("--rounds and --episodes must be at least 1")
@@ -168,7 +169,7 @@ def main():
             singles.append(single_round(rl.parse_args(flags)))
             rpc_args = rl.parse_args(flags + ["--master_port", str(free_port())])
             rpc_args.transports = bench.transports
-            rpcs.append(rpc_round(rpc_args))
+            rpcs.append(rpc_round(rpc_args, bench.rank_env))
             single, remote = singles[-1]["us_per_step"], rpcs[-1]["us_per_step"]
             print(f"round={n} single_us_per_step={single:.0f} rpc_us_per_step={remote:.0f} ratio={remote / single:.2f} "
                   f"single_steps={singles[-1]['steps']} rpc_steps={rpcs[-1]['steps']}", flush=True)
@@ -183,7 +184,7 @@ def main():
     print("phase_us_per_step=median", phase_medians("single", [r["phases"] for r in singles], PHASES, 0),
           phase_medians("rpc", [r["phases"] for r in rpcs], PHASES + ("agent_select_action",), 0))
     print(f"bench=rl_cartpole world_size=2 rounds={bench.rounds} episodes={bench.episodes} seed={bench.seed} "
-          f"transports={bench.transports} "
+          f"transports={bench.transports} rank_env={bench.rank_env} "
           f"single_steps={same([r['steps'] for r in singles])} rpc_steps={same([r['steps'] for r in rpcs])} "
           f"{spread('single_us_per_step', single_us, 0)} {spread('rpc_us_per_step', rpc_us, 0)} "
           f"ratio={median(rpc_us) / median(single_us):.2f}", flush=True)

@@ -58,8 +58,19 @@ def captured_stdout():
             os.close(saved)
 
 
-def run_rpc_round(rank_fn, args, nprocs=2):
+# What the scripts' one-command launcher adds to the environment of the ranks it spawns (README, "Speed").
+LAUNCHER_ENV = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "268435456"}
+
+
+def add_rank_env_flag(parser):
+    parser.add_argument("--rank_env", choices=["launcher", "none"], default="launcher",
+                        help="environment of the RPC ranks: the launcher's malloc settings, or none added")
+
+
+def run_rpc_round(rank_fn, args, nprocs=2, rank_env="launcher"):
     """Run rank_fn(rank, args) in nprocs spawned processes; return the union of the dicts they return."""
+    if rank_env == "launcher":  # read by glibc when a rank starts, so this process itself is left as it was
+        os.environ.update(LAUNCHER_ENV)
     queue = mp.get_context("spawn").SimpleQueue()
     procs = mp.start_processes(_child, args=(rank_fn, args, queue, os.getpid()), nprocs=nprocs,
                                join=False, start_method="spawn")

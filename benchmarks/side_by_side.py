@@ -64,13 +64,15 @@ def one_round(script, extra, runs, limit):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], usage="%(prog)s SCRIPT [options] [-- script flags]")
     parser.add_argument("script", choices=sorted(FIRST_LINE))
     parser.add_argument("--runs", type=int, default=3, help="one-command runs started together")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--limit", type=float, default=60.0, help="seconds a run may take to its first line")
-    parser.add_argument("extra", nargs="*", help="flags for the script, after --")
-    args = parser.parse_args()
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)  # what follows -- is the script's
+    args = parser.parse_args(argv[:cut])
+    args.extra = argv[cut + 1:]
     worst = []
     for n in range(1, args.rounds + 1):
         seen = one_round(args.script, args.extra, args.runs, args.limit)
