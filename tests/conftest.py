@@ -175,7 +175,8 @@ def tiny_mnist(tmp_path_factory):
 
 def _serve_checks(name, requests, results):
     """The helper process: an RPC group of one named `name`, running the checks it is sent."""
-    options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{free_port()}")
+    # TCP only, as in the scripts: TensorPipe's shared-memory transport busy-polls a core for the whole session.
+    options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{free_port()}", _transports=["uv"])
     rpc.init_rpc(name, rank=0, world_size=1, rpc_backend_options=options)
     for check in iter(requests.recv, None):
         try:
