@@ -176,14 +176,15 @@ def run(tmp_path):
 
 
 @pytest.fixture(scope="session")
-def shared_runs(tmp_path_factory, tiny_mnist):
+def shared_runs(tmp_path_factory, tiny_mnist, alone_in_rpc):
     """Every script run that several tests read, started together on first use so
     that they share the cores, and all ended before any test reads them, so that
     their load never overlaps a later test. A dict: the four one-command smoke
     runs by script file; "rnn ranks at own address", ranks 0 and 1 of the RNN in a
     process each, with --master_addr this host's own non-loopback address where it
     has one (the interface choice, and a second same-seed RNN run); "rl same seed",
-    two one-observer CartPole runs, each [agent, observer]."""
+    two one-observer CartPole runs, each [agent, observer]. The RPC helper process
+    (alone_in_rpc) starts with them: its start-up shares the cores with theirs."""
     started = []
 
     def start(script, *args):
@@ -258,13 +259,13 @@ def _serve_checks(name, requests, results):
     # TCP only, as in the scripts: TensorPipe's shared-memory transport busy-polls a core for the whole session.
     options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{free_port()}", _transports=["uv"])
     rpc.init_rpc(name, rank=0, world_size=1, rpc_backend_options=options)
-    for check in iter(requests.recv, None):
+    while True:  # until the session's end kills it
+        check = requests.recv()
         try:
             check()
             results.send(None)
         except BaseException:
             results.send(traceback.format_exc())
-    rpc.shutdown()
 
 
 @pytest.fixture(scope="session")
@@ -294,12 +295,8 @@ def alone_in_rpc():
             pytest.fail(f"{check.__name__} did not finish within {timeout} s", pytrace=False)
 
     yield run_check
-    if helper.is_alive():
-        to_helper.send(None)
-        helper.join(30)
-    if helper.is_alive():
-        helper.kill()
-        helper.join()
+    helper.kill()  # nothing in its group of one to wind down; rpc.shutdown() would take a second or two
+    helper.join()
 
 
 def in_rpc_group(test):
