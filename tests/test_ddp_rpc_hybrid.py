@@ -25,9 +25,10 @@ def test_one_command_two_ddp_trainers_in_sync(smoke_runs):
         assert losses[-1] < losses[0] - 0.3, f"the loss should fall: {losses}"
     # The master compared the trainers' fc weights: DDP kept the replicas equal.
     assert float(figures["fc_norm"]) > 0 and figures["fc_in_sync"] == "true", proc.out
-    # Each trainer says where its DDP group runs, once the group is up.
+    # Each trainer says where its DDP group runs, once the group is up: a GPU each where the host has two.
     for trainer in (0, 1):
-        assert re.search(rf"^trainer{trainer}: DDP on cpu with gloo$", proc.out, re.M), proc.out
+        where = f"cuda:{trainer} with nccl" if torch.cuda.device_count() >= 2 else "cpu with gloo"
+        assert re.search(rf"^trainer{trainer}: DDP on {where}$", proc.out, re.M), proc.out
 
 
 def test_batches_are_embedding_bags_of_learnable_classes():
