@@ -1,7 +1,11 @@
-"""Shared test helpers: free ports, scripts run as real subprocesses, tiny MNIST."""
+"""Shared test helpers: free ports, scripts run as real subprocesses, the runs that
+several tests read, tiny MNIST, and the RPC helper process."""
+import fcntl
+import ipaddress
 import multiprocessing
 import multiprocessing.connection
 import os
+import re
 import signal
 import socket
 import struct
@@ -19,12 +23,53 @@ import torch.distributed.rpc as rpc
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # so tests can import the scripts' classes
 
+# The four scripts, as module names; each is the file ROOT / f"{name}.py".
+SCRIPTS = ["rpc_parameter_server", "rpc_rl_cartpole", "rpc_rnn_model_parallel", "ddp_rpc_hybrid"]
 
-def free_port():
-    """A port the OS says is free now (never a hard-coded one)."""
+# Tiny MNIST and the shared runs' settings: tests derive what they expect from these.
+MNIST_TRAIN, MNIST_TEST = 64, 32  # images in the tiny MNIST
+MNIST_BATCH_SIZE, MNIST_LOG_INTERVAL = 8, 2  # --batch_size, --log_interval of every parameter server run
+PS_EPOCHS = 2
+RL_EPISODES = 3
+RNN_EPOCHS = 4
+DDP_EPOCHS = 4
+RL_SAME_SEED_EPISODES = 10  # the two same-seed CartPole runs, with one observer (world size 2): repeatable
+
+TIMING_FIGURES = {"seconds", "ms_per_batch", "us_per_step"}  # Summary figures that vary from run to run
+HANG = 300  # a test's own limit on a run: only keeps a hang from running forever
+
+
+def free_port(host="127.0.0.1"):
+    """A port the OS says is free now on host (never a hard-coded one)."""
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def own_address():
+    """(interface, IPv4 address) of this host's first non-loopback interface, or None if it has none."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for _, name in socket.if_nameindex():
+            try:  # SIOCGIFADDR: the interface's own address (OSError: it has none)
+                addr = socket.inet_ntoa(fcntl.ioctl(sock, 0x8915, struct.pack("256s", name.encode()))[20:24])
+            except OSError:
+                continue
+            if not ipaddress.ip_address(addr).is_loopback:
+                return name, addr
+    return None
+
+
+def assert_no_traceback(text):
+    """The scripts promise a paragraph, never a Python traceback or C++ frames."""
+    assert "Traceback" not in text and "frame #" not in text, text
+
+
+def summary(out, timings=True):
+    """The key=value figures of the one Summary line; timings=False leaves out those that vary."""
+    lines = re.findall(r"^Summary: (.*)$", out, re.M)
+    assert len(lines) == 1, f"expected one Summary line:\n{out}"
+    figures = dict(pair.split("=", 1) for pair in lines[0].split())
+    return figures if timings else {key: value for key, value in figures.items() if key not in TIMING_FIGURES}
 
 
 class Run:
@@ -59,10 +104,15 @@ class Run:
         return self.proc.returncode
 
     def wait_for(self, text, timeout=60):
-        """Block until stdout has a line containing text (a run that is under way)."""
-        deadline = time.monotonic() + timeout
+        """Block until stdout has a line containing text (a run that is under way). Fails if the run ends
+        first, or prints no line at all for `timeout` s: a loaded machine slows each step (launch, imports,
+        meeting, training), so the limit counts from the last line, not from the start."""
+        last_line, lines = time.monotonic(), 0
         while not any(text in line for line in list(self._out)):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
+            if len(self._out) + len(self._err) != lines:
+                last_line, lines = time.monotonic(), len(self._out) + len(self._err)
+            now = time.monotonic()
+            if self.proc.poll() is not None or now - last_line > timeout or now - self.started > HANG:
                 self.kill()
                 self.wait()
                 pytest.fail(f"never printed {text!r}: {self}")
@@ -72,7 +122,7 @@ class Run:
         """Wait for the exit; a hang is killed and fails the test."""
         try:
             self.proc.wait(timeout=timeout)
-            self.ended = time.monotonic()
+            self.ended = self.ended or time.monotonic()  # a second wait keeps the first end time
         except subprocess.TimeoutExpired:
             self.kill()
             self.proc.wait()
@@ -126,22 +176,53 @@ def run(tmp_path):
 
 
 @pytest.fixture(scope="session")
-def smoke_runs(tmp_path_factory, tiny_mnist):
-    """One run of each script as a user starts it (one command, tiny data), all four
-    started at once on first use, so that they share the machine's cores; each
-    script's own test file checks its run's output."""
-    commands = {
-        "rpc_parameter_server.py": ["--world_size=3", "--epochs", 2, *tiny_mnist_flags(tiny_mnist), "--save_model", "model.pt"],
-        "rpc_rl_cartpole.py": ["--world_size=3", "--max_episodes=3", "--log_interval=1"],
-        "rpc_rnn_model_parallel.py": ["--epochs", 4],
-        "ddp_rpc_hybrid.py": ["--epochs", 4],
+def shared_runs(tmp_path_factory, tiny_mnist, alone_in_rpc):
+    """Every script run that several tests read, started together on first use so
+    that they share the cores, and all ended before any test reads them, so that
+    their load never overlaps a later test. A dict: the four one-command smoke
+    runs by script file; "rnn ranks at own address", ranks 0 and 1 of the RNN in a
+    process each, with --master_addr this host's own non-loopback address where it
+    has one (the interface choice, and a second same-seed RNN run); "rl same seed",
+    two one-observer CartPole runs, each [agent, observer]. The RPC helper process
+    (alone_in_rpc) starts with them: its start-up shares the cores with theirs."""
+    started = []
+
+    def start(script, *args):
+        # --timeout only bounds a failure: on a loaded machine the ranks of one run may arrive far apart.
+        started.append(Run(script, [*args, "--timeout", 120], cwd=tmp_path_factory.mktemp(script[:-3])))
+        return started[-1]
+
+    def ranks(script, world_size, *args, addr="localhost"):
+        common = [f"--world_size={world_size}", "--master_addr", addr, "--master_port", free_port(addr), *args]
+        return [start(script, *common, f"--rank={rank}") for rank in range(world_size)]
+
+    runs = {
+        "rpc_parameter_server.py": start("rpc_parameter_server.py", "--world_size=3", f"--epochs={PS_EPOCHS}",
+                                         *tiny_mnist_flags(tiny_mnist), "--save_model", "model.pt"),
+        "rpc_rl_cartpole.py": start("rpc_rl_cartpole.py", "--world_size=3", f"--max_episodes={RL_EPISODES}",
+                                    "--log_interval=1"),
+        "rpc_rnn_model_parallel.py": start("rpc_rnn_model_parallel.py", f"--epochs={RNN_EPOCHS}"),
+        "ddp_rpc_hybrid.py": start("ddp_rpc_hybrid.py", f"--epochs={DDP_EPOCHS}"),
+        "rnn ranks at own address": ranks("rpc_rnn_model_parallel.py", 2, f"--epochs={RNN_EPOCHS}",
+                                          addr=(own_address() or (None, "localhost"))[1]),
+        "rl same seed": [ranks("rpc_rl_cartpole.py", 2, "--seed=3", f"--max_episodes={RL_SAME_SEED_EPISODES}",
+                               "--log_interval=1") for _ in range(2)],
     }
-    runs = {script: Run(script, [*args, "--timeout", 60], cwd=tmp_path_factory.mktemp(script[:-3]))
-            for script, args in commands.items()}
-    yield runs
-    for proc in runs.values():
-        proc.kill()
-        proc.proc.wait()
+    try:
+        deadline = time.monotonic() + HANG
+        for proc in started:
+            proc.wait(max(1, deadline - time.monotonic()))
+        yield runs
+    finally:
+        for proc in started:
+            proc.kill()
+            proc.proc.wait()
+
+
+@pytest.fixture(scope="session")
+def smoke_runs(shared_runs):
+    """The one-command run of each script, by file name, all ended (see shared_runs)."""
+    return {f"{script}.py": shared_runs[f"{script}.py"] for script in SCRIPTS}
 
 
 def write_idx(raw_dir, split, images, labels):
@@ -152,18 +233,18 @@ def write_idx(raw_dir, split, images, labels):
 
 
 def tiny_mnist_flags(root):
-    return ["--data_dir", root, "--no-download", "--batch_size", 8, "--log_interval", 2]
+    return ["--data_dir", root, "--no-download", "--batch_size", MNIST_BATCH_SIZE, "--log_interval", MNIST_LOG_INTERVAL]
 
 
 @pytest.fixture(scope="session")
 def tiny_mnist(tmp_path_factory):
-    """An MNIST root with 64 train and 32 test 28x28 images, in the raw IDX
-    form that torchvision.datasets.MNIST(download=False) reads."""
+    """An MNIST root with MNIST_TRAIN train and MNIST_TEST test 28x28 images, in the
+    raw IDX form that torchvision.datasets.MNIST(download=False) reads."""
     root = tmp_path_factory.mktemp("mnist")
     raw = root / "MNIST" / "raw"
     raw.mkdir(parents=True)
     gen = torch.Generator().manual_seed(0)
-    for split, count in (("train", 64), ("t10k", 32)):
+    for split, count in (("train", MNIST_TRAIN), ("t10k", MNIST_TEST)):
         labels = torch.arange(count, dtype=torch.uint8) % 10
         # Each digit class lights its own band of rows, so the set is learnable.
         images = torch.randint(0, 60, (count, 28, 28), dtype=torch.uint8, generator=gen)
@@ -174,16 +255,17 @@ def tiny_mnist(tmp_path_factory):
 
 
 def _serve_checks(name, requests, results):
-    """The helper process: an RPC group of one named `name`, running the checks it is sent."""
-    options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{free_port()}")
+    """The helper process: an RPC group of one named `name`, running the tests it is sent."""
+    # TCP only, as in the scripts: TensorPipe's shared-memory transport busy-polls a core for the whole session.
+    options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{free_port()}", _transports=["uv"])
     rpc.init_rpc(name, rank=0, world_size=1, rpc_backend_options=options)
-    for check in iter(requests.recv, None):
+    while True:  # until the session's end kills it
+        check = requests.recv()
         try:
             check()
             results.send(None)
         except BaseException:
             results.send(traceback.format_exc())
-    rpc.shutdown()
 
 
 @pytest.fixture(scope="session")
@@ -213,9 +295,22 @@ def alone_in_rpc():
             pytest.fail(f"{check.__name__} did not finish within {timeout} s", pytrace=False)
 
     yield run_check
-    if helper.is_alive():
-        to_helper.send(None)
-        helper.join(30)
-    if helper.is_alive():
-        helper.kill()
-        helper.join()
+    helper.kill()  # nothing in its group of one to wind down; rpc.shutdown() would take a second or two
+    helper.join()
+
+
+def in_rpc_group(test):
+    """Decorates a test that takes no arguments: it runs in the alone_in_rpc helper process, not in pytest's."""
+    return pytest.mark.usefixtures("alone_in_rpc")(pytest.mark.in_rpc_group(test))
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "in_rpc_group: run the test in the RPC helper process (conftest.in_rpc_group)")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+    if pyfuncitem.get_closest_marker("in_rpc_group"):
+        pyfuncitem.funcargs["alone_in_rpc"](pyfuncitem.obj)
+        return True
+    return None

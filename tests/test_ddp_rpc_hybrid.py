@@ -6,33 +6,29 @@ import re
 import torch
 
 import ddp_rpc_hybrid as hybrid
+from conftest import DDP_EPOCHS, assert_no_traceback, summary
 
 SCRIPT = "ddp_rpc_hybrid.py"
-EPOCHS = 4  # as conftest.smoke_runs starts it
-
-
-def epoch_losses(out, trainer):
-    return [float(x) for x in re.findall(rf"^Training done for epoch \d+ loss (\d+\.\d{{4}}) \(trainer{trainer}\)$", out, re.M)]
-
-
-def summary(out):
-    found = re.search(r"^Summary: epochs=(\d+) seconds=[\d.]+ trainer0_loss=([\d.]+) trainer1_loss=([\d.]+) "
-                      r"fc_norm=[\d.]+ fc_in_sync=(true|false)$", out, re.M)
-    assert found, out
-    return found.groups()
 
 
 def test_one_command_two_ddp_trainers_in_sync(smoke_runs):
-    proc = smoke_runs[SCRIPT].wait()
+    proc = smoke_runs[SCRIPT]
     assert proc.returncode == 0, proc
-    epochs, *last_losses, in_sync = summary(proc.out)
-    assert int(epochs) == EPOCHS
-    for trainer, last in enumerate(last_losses):
-        losses = epoch_losses(proc.out, trainer)
-        assert len(losses) == EPOCHS and losses[-1] == float(last), proc.out
+    assert_no_traceback(proc.err)
+    figures = summary(proc.out)
+    assert figures["epochs"] == str(DDP_EPOCHS), proc.out
+    for trainer in (0, 1):
+        losses = re.findall(rf"^Training done for epoch (\d+) loss (\d+\.\d{{4}}) \(trainer{trainer}\)$", proc.out, re.M)
+        assert [int(epoch) for epoch, _ in losses] == list(range(DDP_EPOCHS)), proc.out
+        losses = [float(loss) for _, loss in losses]
+        assert figures[f"trainer{trainer}_loss"] == f"{losses[-1]:.4f}", proc.out
         assert losses[-1] < losses[0] - 0.3, f"the loss should fall: {losses}"
     # The master compared the trainers' fc weights: DDP kept the replicas equal.
-    assert in_sync == "true"
+    assert float(figures["fc_norm"]) > 0 and figures["fc_in_sync"] == "true", proc.out
+    # Each trainer says where its DDP group runs, once the group is up: a GPU each where the host has two.
+    for trainer in (0, 1):
+        where = f"cuda:{trainer} with nccl" if torch.cuda.device_count() >= 2 else "cpu with gloo"
+        assert re.search(rf"^trainer{trainer}: DDP on {where}$", proc.out, re.M), proc.out
 
 
 def test_batches_are_embedding_bags_of_learnable_classes():

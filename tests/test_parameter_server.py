@@ -4,6 +4,7 @@ import re
 import torch
 
 import rpc_parameter_server as ps
+from conftest import MNIST_BATCH_SIZE, MNIST_LOG_INTERVAL, MNIST_TRAIN, PS_EPOCHS, assert_no_traceback, in_rpc_group
 
 SCRIPT = "rpc_parameter_server.py"
 
@@ -11,14 +12,17 @@ SCRIPT = "rpc_parameter_server.py"
 def test_one_command_with_two_trainers(smoke_runs):
     # World size 3: the tutorial's code would crash here as soon as one
     # trainer steps while the other is between forward and backward.
-    proc = smoke_runs[SCRIPT].wait()
+    proc = smoke_runs[SCRIPT]
     assert proc.returncode == 0, proc
+    assert_no_traceback(proc.err)
+    batches = MNIST_TRAIN // MNIST_BATCH_SIZE  # per epoch
     for rank in (1, 2):
-        for epoch in (0, 1):  # 64 images in batches of 8: batches 0..7, a line every 2
-            assert f"Rank {rank} training batch 6 loss " in proc.out and f" epoch {epoch}\n" in proc.out, proc.out
-        assert re.search(rf"^Rank {rank} training batch 2 loss \d+\.\d{{4}} epoch 1$", proc.out, re.M), proc.out
-        summary = rf"^Summary: rank={rank} batches=16 seconds=[\d.]+ ms_per_batch=[\d.]+ accuracy=[\d.]+$"
-        assert re.search(summary, proc.out, re.M), proc.out
+        # Each rank's own loss lines, whole and in order: a line every MNIST_LOG_INTERVAL batches of every epoch.
+        logged = re.findall(rf"^Rank {rank} training batch (\d+) loss \d+\.\d{{4}} epoch (\d+)$", proc.out, re.M)
+        assert logged == [(str(batch), str(epoch)) for epoch in range(PS_EPOCHS)
+                          for batch in range(0, batches, MNIST_LOG_INTERVAL)], proc.out
+        assert re.search(rf"^Summary: rank={rank} batches={PS_EPOCHS * batches} seconds=[\d.]+ ms_per_batch=[\d.]+ "
+                         rf"accuracy=[\d.]+$", proc.out, re.M), proc.out
     assert proc.out.count("Training complete!") == 2 and proc.out.count("Summary:") == 2
     assert len(re.findall(r"^Accuracy (0\.\d{4}|1\.0000)$", proc.out, re.M)) == 2
     assert "RPC shutdown on parameter server." in proc.out
@@ -34,10 +38,11 @@ def test_missing_data_is_explained(tmp_path, capsys):
     for name in ps.MNIST_FILES:
         assert name in message
     assert "--no-download forbids fetching it" in message
-    assert "Traceback" not in message
+    assert_no_traceback(message)
 
 
-def check_get_accuracy_evaluates_in_eval_mode():
+@in_rpc_group
+def test_get_accuracy_evaluates_the_remote_model_in_eval_mode():
     torch.manual_seed(0)
     net = ps.TrainerNet()
     batch = torch.randn(16, 1, 28, 28)
@@ -49,7 +54,3 @@ def check_get_accuracy_evaluates_in_eval_mode():
     ps.get_accuracy(loader, net)
     assert ps.param_server.model.training is False, "get_accuracy's forward passes ran the remote model in train mode"
     assert torch.equal(net(batch), net(batch)), "the same batch must give the same output in evaluation"
-
-
-def test_get_accuracy_evaluates_the_remote_model_in_eval_mode(alone_in_rpc):
-    alone_in_rpc(check_get_accuracy_evaluates_in_eval_mode)

@@ -1,23 +1,24 @@
-"""What all four scripts share: the plumbing section, and imports that start nothing."""
-import importlib
-import multiprocessing
-import threading
+"""What all four scripts share: the plumbing section, its reports, the interface choice,
+and imports that start nothing."""
+import re
+import subprocess
+import sys
+from typing import NamedTuple
 
 import pytest
 
-from conftest import ROOT
+from conftest import RNN_EPOCHS, ROOT, SCRIPTS, assert_no_traceback, own_address, summary
 
-SCRIPTS = ["rpc_parameter_server", "rpc_rl_cartpole", "rpc_rnn_model_parallel", "ddp_rpc_hybrid"]
 # The plumbing, and the command line's common flags, between these markers.
-SHARED = [("# --------- Starting, watching and stopping ranks", "# --------- Command line"),
-          ("# --------- Command line", "def parse_args(")]
+SHARED = {"plumbing": ("# --------- Starting, watching and stopping ranks", "# --------- Command line"),
+          "common flags": ("# --------- Command line", "def parse_args(")}
 
 
 def shared_text(module):
     text = (ROOT / f"{module}.py").read_text()
-    for begin, end in SHARED:
+    for begin, end in SHARED.values():
         assert text.count(begin) == 1 and text.count(end) == 1, f"{module}.py lacks {begin!r} or {end!r}"
-    return [text[text.index(begin):text.index(end)] for begin, end in SHARED]
+    return {part: text[text.index(begin):text.index(end)] for part, (begin, end) in SHARED.items()}
 
 
 def test_plumbing_is_the_same_in_every_script():
@@ -28,7 +29,19 @@ def test_plumbing_is_the_same_in_every_script():
         assert shared_text(module) == reference, f"{module}.py's plumbing or common flags differ from {SCRIPTS[0]}.py's"
 
 
-REPORTER = """
+class Report(NamedTuple):
+    raised: str  # what rank 1 raises, as Python source
+    starts: str  # how the rank's report begins
+    status: int  # the rank's exit status
+
+
+REPORTS = [
+    Report("AssertionError()", "Error on rank 1 (trainer): AssertionError at ", 1),  # the tutorial's bare `assert`
+    Report("Unprintable()", "Error on rank 1 (trainer): Unprintable\n", 1),
+    Report("RuntimeError(42)", "Error on rank 1 (trainer): RuntimeError: 42\n", 1),
+    Report("KeyboardInterrupt()", "Error on rank 1 (trainer): interrupted.", 130),
+]
+REPORTER = f"""
 import os, sys
 import rpc_rnn_model_parallel as script
 
@@ -41,7 +54,7 @@ def fail(exc):
         raise exc
     return run_rank
 
-for exc in [AssertionError(), Unprintable(), RuntimeError(42), KeyboardInterrupt()]:
+for exc in [{", ".join(report.raised for report in REPORTS)}]:
     if os.fork() == 0:  # this process never touches CUDA
         script.run_rank = fail(exc)
         script._rank_main(1, script.parse_args(["--rank=1"]))
@@ -50,24 +63,77 @@ for exc in [AssertionError(), Unprintable(), RuntimeError(42), KeyboardInterrupt
 """
 
 
-def test_the_report_survives_any_exception(run, tmp_path):
-    # The tutorial's own bare `assert` raises an AssertionError with no message.
-    (tmp_path / "reporter.py").write_text(REPORTER)
-    proc = run(tmp_path / "reporter.py", env={"PYTHONPATH": str(ROOT)}).wait()
+def test_the_report_survives_any_exception(fresh_interpreters):
+    proc = fresh_interpreters["reporter"]
     assert proc.returncode == 0, proc
-    reports = proc.err.strip().split("\n\n")
-    assert "Traceback" not in proc.err, proc
-    assert reports[0].startswith("Error on rank 1 (trainer): AssertionError at ") and "reporter.py:" in reports[0]
-    assert reports[1].startswith("Error on rank 1 (trainer): Unprintable\n") and reports[1].endswith("exit 1")
-    assert reports[2].startswith("Error on rank 1 (trainer): RuntimeError: 42\n") and reports[2].endswith("exit 1")
-    assert reports[3] == "Error on rank 1 (trainer): interrupted.\nexit 130", proc
+    assert_no_traceback(proc.stderr)
+    reports = proc.stderr.strip().split("\n\n")
+    assert len(reports) == len(REPORTS), proc
+    for report, expected in zip(reports, REPORTS):
+        assert report.startswith(expected.starts) and report.endswith(f"\nexit {expected.status}"), proc
+    assert re.match(r".* at <string>:\d+\n", reports[0]), proc  # where the message-less exception was raised
+    assert reports[-1] == "Error on rank 1 (trainer): interrupted.\nexit 130", proc  # no --debug hint: nothing failed
 
 
-@pytest.mark.parametrize("module", SCRIPTS)
-def test_importing_a_script_starts_nothing(module, capsys):
-    threads, children = threading.active_count(), multiprocessing.active_children()
-    imported = importlib.import_module(module)
-    assert callable(imported.main)
-    assert threading.active_count() == threads
-    assert multiprocessing.active_children() == children
-    assert capsys.readouterr() == ("", "")
+def test_a_master_addr_of_this_host_picks_its_interface(shared_runs):
+    # Needs neither root nor a second machine: this host's own address is reached through its own interface.
+    if own_address() is None:
+        pytest.skip("this host has no non-loopback IPv4 address")
+    ifname, addr = own_address()
+    ranks = shared_runs["rnn ranks at own address"]
+    for rank, proc in enumerate(ranks):
+        assert proc.returncode == 0, proc
+        assert re.search(rf"^Rank {rank}: using network interface {re.escape(ifname)} to reach {re.escape(addr)}$",
+                         proc.out, re.M), proc
+    assert summary(ranks[1].out)["epochs"] == str(RNN_EPOCHS), ranks[1]  # and the run trained
+
+
+IMPORT_ONLY = """
+import contextlib, io, os, sys, threading
+
+def children():
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1]) == os.getpid():
+                found.append(open(f"/proc/{pid}/cmdline").read())
+        except OSError:
+            pass
+    return found
+
+for name in sys.argv[1:]:
+    threads, printed = threading.enumerate(), io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+        module = __import__(name)
+    assert callable(module.main), f"{name} has no main()"
+    assert not printed.getvalue(), f"importing {name} printed {printed.getvalue()!r}"
+    assert threading.enumerate() == threads, f"importing {name} started threads: {threading.enumerate()}"
+    assert not children(), f"importing {name} started processes: {children()}"
+"""
+
+
+def finish(proc):
+    out, err = proc.communicate(timeout=120)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+@pytest.fixture(scope="module")
+def fresh_interpreters():
+    """The reporter and the import check, each in a fresh interpreter of its own,
+    started together so that their start-up shares the cores."""
+    procs = {name: subprocess.Popen([sys.executable, "-c", code, *args], cwd=ROOT, text=True,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for name, code, args in [("reporter", REPORTER, []), ("imports", IMPORT_ONLY, SCRIPTS)]}
+    try:
+        yield {name: finish(proc) for name, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            proc.kill()
+            proc.wait()
+
+
+def test_importing_a_script_starts_nothing(fresh_interpreters):
+    # A fresh interpreter: pytest has already imported every script, so an import here would run nothing.
+    # One interpreter imports the four in turn and checks after each; torch then loads once, not four times.
+    proc = fresh_interpreters["imports"]
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, "", ""), f"exit {proc.returncode}\n{proc.stdout}{proc.stderr}"

@@ -5,26 +5,43 @@ import pytest
 import torch
 
 import rpc_rl_cartpole as rl
+from conftest import RL_EPISODES, RL_SAME_SEED_EPISODES, assert_no_traceback, in_rpc_group, summary
 
 SCRIPT = "rpc_rl_cartpole.py"
 
 
-def assert_played(out, episodes):
-    assert "This will run until reward threshold of 475.0 is reached" in out
-    lines = re.findall(r"^Episode (\d+)\tLast reward: \d+\.\d\d\tAverage reward: \d+\.\d\d$", out, re.M)
-    assert [int(n) for n in lines] == list(range(1, episodes + 1)), out
-    summary = re.search(r"^Summary: episodes=(\d+) steps=(\d+) seconds=[\d.]+ us_per_step=\d+ solved=false$", out, re.M)
-    assert summary and int(summary.group(1)) == episodes, out
-    assert int(summary.group(2)) >= 8 * episodes  # CartPole cannot fall in fewer than 8 steps
+def episodes(out):
+    """The (episode, last reward, average reward) of each status line."""
+    return re.findall(r"^Episode (\d+)\tLast reward: (\d+\.\d\d)\tAverage reward: (\d+\.\d\d)$", out, re.M)
 
 
 def test_one_command_two_observers(smoke_runs):
-    proc = smoke_runs[SCRIPT].wait()
+    proc = smoke_runs[SCRIPT]
     assert proc.returncode == 0, proc
-    assert_played(proc.out, episodes=3)
+    assert_no_traceback(proc.err)
+    assert re.search(rf"^This will run until reward threshold of 475\.0 is reached \(or for at most {RL_EPISODES} "
+                     rf"episodes\)\.$", proc.out, re.M), proc.out
+    assert [int(n) for n, *_ in episodes(proc.out)] == list(range(1, RL_EPISODES + 1)), proc.out
+    figures = summary(proc.out)
+    assert figures["episodes"] == str(RL_EPISODES) and figures["solved"] == "false", proc.out
+    assert int(figures["steps"]) >= 8 * 2 * RL_EPISODES  # two observers; CartPole cannot fall in fewer than 8 steps
 
 
-def check_finish_episode_returns_and_loss():
+def test_same_seed_same_numbers(shared_runs):
+    # One observer: the agent alone decides, so two runs with the same --seed must match exactly.
+    played = []
+    for ranks in shared_runs["rl same seed"]:
+        for proc in ranks:
+            assert proc.returncode == 0, proc
+            assert_no_traceback(proc.err)
+        agent = ranks[0]
+        played.append((episodes(agent.out), summary(agent.out, timings=False)))
+    assert len(played[0][0]) == RL_SAME_SEED_EPISODES and played[0][1]["episodes"] == str(RL_SAME_SEED_EPISODES)
+    assert played[0] == played[1]
+
+
+@in_rpc_group
+def test_finish_episode_returns_and_loss():
     agent = rl.Agent(world_size=1, gamma=0.5)  # no remote observers: two are faked by hand below
     trajectories = {1: [1.0, 1.0, 1.0], 2: [1.0, 1.0]}
     log_probs = {ob: [torch.zeros(1, requires_grad=True) for _ in rewards] for ob, rewards in trajectories.items()}
@@ -42,7 +59,3 @@ def check_finish_episode_returns_and_loss():
     assert agent.running_reward == pytest.approx(0.05 * 2.0)
     assert agent.total_steps == 5
     assert all(agent.rewards[ob] == [] and agent.saved_log_probs[ob] == [] for ob in trajectories)
-
-
-def test_finish_episode_returns_and_loss(alone_in_rpc):
-    alone_in_rpc(check_finish_episode_returns_and_loss)

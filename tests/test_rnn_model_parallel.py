@@ -1,7 +1,7 @@
 """rpc_rnn_model_parallel.py: the RNN split between a parameter server and a trainer.
 
 More runs of the script are in test_failures.py: two at once, torchrun, one rank
-per network namespace."""
+per network namespace; and in test_plumbing.py, one rank per process at this host's own address."""
 import re
 
 import torch.distributed.rpc as rpc
@@ -9,20 +9,37 @@ import torch.nn as nn
 from torch.distributed.rpc import PyRRef  # RRefs that come back over RPC are PyRRef, the base of RRef
 
 import rpc_rnn_model_parallel as rnn
+from conftest import RNN_EPOCHS, assert_no_traceback, in_rpc_group, summary
 
 SCRIPT = "rpc_rnn_model_parallel.py"
 
 
+def epoch_losses(out):
+    return [float(x) for x in re.findall(r"^Training epoch \d+ loss (\d+\.\d{4})$", out, re.M)]
+
+
 def test_one_command_learns(smoke_runs):
-    proc = smoke_runs[SCRIPT].wait()
+    proc = smoke_runs[SCRIPT]
     assert proc.returncode == 0, proc
-    losses = [float(x) for x in re.findall(r"^Training epoch \d+ loss (\d+\.\d{4})$", proc.out, re.M)]
-    assert len(losses) == 4 and losses[-1] < losses[0] - 0.1, f"the loss should fall: {proc.out}"
-    assert re.search(rf"^Summary: epochs=4 seconds=[\d.]+ final_loss={losses[-1]:.4f}$", proc.out, re.M), proc
-    assert "Traceback" not in proc.err, proc
+    assert_no_traceback(proc.err)
+    losses = epoch_losses(proc.out)
+    assert len(losses) == RNN_EPOCHS and losses[-1] < losses[0] - 0.1, f"the loss should fall: {proc.out}"
+    assert summary(proc.out, timings=False) == {"epochs": str(RNN_EPOCHS), "final_loss": f"{losses[-1]:.4f}"}, proc
 
 
-def check_parameter_rrefs_cover_all_three_parts():
+def test_same_seed_same_numbers(shared_runs):
+    # The one-command smoke run and a run of one rank per process, both of the default --seed:
+    # the trainer alone drives training, so every loss must match exactly.
+    trainers = [shared_runs[SCRIPT], shared_runs["rnn ranks at own address"][1]]
+    for proc in [*trainers, shared_runs["rnn ranks at own address"][0]]:
+        assert proc.returncode == 0, proc
+    losses, figures = zip(*[(epoch_losses(proc.out), summary(proc.out, timings=False)) for proc in trainers])
+    assert len(losses[0]) == RNN_EPOCHS and losses[0] == losses[1], losses
+    assert figures[0] == figures[1], figures
+
+
+@in_rpc_group
+def test_parameter_rrefs_cover_all_three_parts():
     # This process plays the parameter server: the embedding table and decoder are created here.
     model = rnn.RNNModel(rpc.get_worker_info().name, ntoken=10, ninp=4, nhid=6, nlayers=2, dropout=0.0)
     rrefs = model.parameter_rrefs()
@@ -32,7 +49,3 @@ def check_parameter_rrefs_cover_all_three_parts():
     assert all(isinstance(r, PyRRef) for r in rrefs)
     assert all(r.local_value() is p for r, p in zip(rrefs, expected))
     assert isinstance(parts[0].encoder, nn.Embedding) and isinstance(parts[2].decoder, nn.Linear)
-
-
-def test_parameter_rrefs_cover_all_three_parts(alone_in_rpc):
-    alone_in_rpc(check_parameter_rrefs_cover_all_three_parts)
