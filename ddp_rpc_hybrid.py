@@ -114,8 +114,10 @@ def trainer_ranks(world_size):
     return range(world_size - 2)
 
 
-# This trainer's device: init_ddp_process_group picks it, _run_trainer (an RPC from the master) trains on it.
+# This trainer's device: init_ddp_process_group picks it, _run_trainer (an RPC from the master) trains on it
+# once the DDP group is up.
 trainer_device = torch.device("cpu")
+ddp_ready = threading.Event()
 
 
 def pick_trainer_device(rank, num_trainers, store):
@@ -141,7 +143,12 @@ def _run_trainer(remote_emb_module, rank, args):
     (nn.Linear) and distributed autograd ensures gradients updates are
     propagated to the parameter server.
     """
+    # The master calls as soon as RPC is up; the DDP group forms just after (see run_worker).
+    if not ddp_ready.wait(2 * args.timeout):
+        raise RuntimeError(f"trainer{rank}'s DDP process group was not set up within {2 * args.timeout:g} s")
     device = trainer_device
+    if device.type == "cuda":  # the current device is per thread, and RPC runs this in one of its own
+        torch.cuda.set_device(device)
 
     # Setup the model.
     model = HybridModel(remote_emb_module, device)
@@ -218,7 +225,7 @@ def run_master(world_size, args):
         fut = rpc.rpc_async(trainer_name, _run_trainer, args=(remote_emb_module, trainer_rank, args), timeout=0)
         futs.append(fut)
 
-    # Wait for all training to finish.
+    # Wait for all training to finish. (Ctrl-C still works meanwhile: the rank's main thread takes it.)
     results = [fut.wait() for fut in futs]
     seconds = time.perf_counter() - start
 
@@ -233,16 +240,14 @@ def run_master(world_size, args):
           f"fc_norm={fc_norm:.6f} fc_in_sync={str(in_sync).lower()}")
 
 
-def init_ddp_process_group(rank, world_size, args):
-    """The trainers' own process group for DDP, on a port of its own (--ddp_port)."""
+def init_ddp_process_group(rank, world_size, args, store):
+    """The trainers' own process group for DDP, on the store where all ranks met: one port, one interface."""
     global trainer_device
     num_trainers = len(trainer_ranks(world_size))
-    port = args.ddp_port or args.master_port + 1
-    where = f"{args.master_addr}:{port}"
+    backend = "the backend"
     try:
-        # The tutorial passes init_method="tcp://..."; a store of our own lets the trainers agree on devices first.
-        store = dist.TCPStore(args.master_addr, port, num_trainers, is_master=rank == 0,
-                              timeout=timedelta(seconds=args.timeout))
+        # The tutorial passes init_method="tcp://..." on a second port; a prefix keeps DDP's keys apart from RPC's.
+        store = dist.PrefixStore("ddp/", store)
         trainer_device = pick_trainer_device(rank, num_trainers, store)
         # The tutorial uses gloo even on GPUs; NCCL is PyTorch's backend for CUDA tensors.
         backend = "nccl" if trainer_device.type == "cuda" else "gloo"
@@ -252,12 +257,12 @@ def init_ddp_process_group(rank, world_size, args):
                                 timeout=timedelta(seconds=args.timeout),
                                 device_id=trainer_device if backend == "nccl" else None)
     except Exception as exc:
-        if "EADDRINUSE" in str(exc) or "address already in use" in str(exc).lower():
-            raise RankFailure(f"{where} (the trainers' DDP process group) "
-                              f"is already in use: pick a free one with --ddp_port for every rank.") from exc
-        raise RankFailure(f"the {num_trainers} trainers (ranks 0..{num_trainers - 1}) did not all meet at {where} "
-                          f"for DDP within {args.timeout:g} s ({str(exc).strip().splitlines()[0]}). Start every "
-                          f"trainer with the same --world_size, --master_addr and --ddp_port.") from exc
+        cause = (str(exc).strip().splitlines() or [""])[0] or type(exc).__name__
+        raise RankFailure(f"the {num_trainers} trainers' DDP process group ({backend} on {trainer_device}) could not be "
+                          f"set up: {cause}. Across machines, check --ifname and that the trainers can reach each "
+                          f"other (README, \"Running on several machines\").") from exc
+    print(f"trainer{rank}: DDP on {trainer_device} with {backend}")
+    ddp_ready.set()
 
 
 def run_worker(rank, world_size, args):
@@ -266,16 +271,16 @@ def run_worker(rank, world_size, args):
     RPC.
     """
     torch.manual_seed(args.seed + rank)
-    # The tutorial hard-codes ports 29500 (DDP) and 29501 (RPC); here RPC uses
-    # --master_port and DDP --ddp_port, by default the next one.
+    # The tutorial hard-codes ports 29500 (DDP) and 29501 (RPC); here both meet on --master_port.
     if rank == world_size - 2:
         _init_rpc(worker_name(rank, world_size), rank, world_size, args)
         run_master(world_size, args)
     elif rank in trainer_ranks(world_size):
+        # Initialize RPC first (the tutorial starts with DDP): its meeting picks the network interface, and
+        # its store then serves the DDP group too. Trainers just wait for RPCs from master.
+        store = _init_rpc(worker_name(rank, world_size), rank, world_size, args)
         # Initialize process group for Distributed DataParallel on trainers.
-        init_ddp_process_group(rank, world_size, args)
-        # Initialize RPC. Trainers just wait for RPCs from master.
-        _init_rpc(worker_name(rank, world_size), rank, world_size, args)
+        init_ddp_process_group(rank, world_size, args, store)
     else:
         # parameter server does nothing but waits for RPCs
         _init_rpc(worker_name(rank, world_size), rank, world_size, args)
@@ -647,16 +652,12 @@ def parse_args(argv=None):
         allow_abbrev=False,  # a mistyped flag fails instead of matching a longer one
     )
     _add_common_flags(parser, world_size=4)
-    parser.add_argument("--ddp_port", type=int, default=None,
-                        help="Port of the trainers' DDP process group on --master_addr; None: --master_port + 1.")
     parser.add_argument("--seed", type=int, default=1, help="Random seed (model init and data).")
     parser.add_argument("--epochs", type=_positive(int), default=100, help="Training epochs on each trainer.")
     parser.add_argument("--batches_per_epoch", type=_positive(int), default=10, help="Batches in each epoch.")
     parser.add_argument("--lr", type=_positive(float), default=0.05, help="Learning rate of SGD.")
     args = parser.parse_args(argv)
     _check_common_args(parser, args, min_world_size=3, roles="at least one trainer, the master and the parameter server")
-    if args.ddp_port is not None and (not 0 < args.ddp_port < 65536 or args.ddp_port == args.master_port):
-        parser.error(f"--ddp_port must be in 1..65535 and differ from --master_port, got {args.ddp_port}")
     return args
 
 
