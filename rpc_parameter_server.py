@@ -165,8 +165,8 @@ def get_parameter_server(num_gpus=0):
     global param_server
     # Each trainer sends its own --num_gpus; run_parameter_server checked only the server's.
     if num_gpus > torch.cuda.device_count():
-        raise ValueError(f"a trainer asked for a parameter server on {num_gpus} GPUs, but the parameter "
-                         f"server's machine has {torch.cuda.device_count()}: lower --num_gpus on the trainers.")
+        raise ValueError(f"a trainer asked for a parameter server on {num_gpus} GPU{'s' * (num_gpus > 1)}, but the "
+                         f"parameter server's machine has {torch.cuda.device_count()}: lower --num_gpus on the trainers.")
     # Ensure that we get only one handle to the ParameterServer.
     with global_lock:
         if not param_server:
@@ -178,7 +178,8 @@ def get_parameter_server(num_gpus=0):
 def run_parameter_server(rank, world_size, args):
     # The model is placed on this machine, so this is where --num_gpus must fit.
     if args.num_gpus > torch.cuda.device_count():
-        raise RankFailure(f"--num_gpus {args.num_gpus} asks for {args.num_gpus} GPUs on the parameter server (rank 0), "
+        raise RankFailure(f"--num_gpus {args.num_gpus} asks for {args.num_gpus} GPU{'s' * (args.num_gpus > 1)} on the "
+                          f"parameter server (rank 0), "
                           f"but its machine has {torch.cuda.device_count()}: run rank 0 on a machine with that many "
                           f"GPUs, or lower --num_gpus on every rank.")
     # The parameter server just acts as a host for the model and responds to
@@ -302,7 +303,9 @@ def load_mnist(args, rank):
         train_set = datasets.MNIST(args.data_dir, train=True, download=args.download, transform=transform)
         test_set = datasets.MNIST(args.data_dir, train=False, transform=transform)
     except Exception as exc:  # RuntimeError when absent, URLError/OSError when the download fails
-        failed = (f"could not be downloaded ({exc}): this machine may have no network access" if args.download
+        # torchvision lists each mirror it tried and its error: the last line says why.
+        cause = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
+        failed = (f"could not be downloaded ({cause}): this machine may have no network access" if args.download
                   else "--no-download forbids fetching it")
         raise RankFailure(
             f"MNIST is not in {os.path.join(os.path.abspath(args.data_dir), 'MNIST', 'raw')} and {failed}. "
