@@ -33,6 +33,7 @@ if __name__ == "__main__" and "--debug" not in sys.argv:
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
 if __name__ == "__mp_main__":  # a rank that _launch_all (below) spawned: stop with the launcher, even while torch loads
     signal.signal(signal.SIGINT, lambda *_: os._exit(130))  # quietly: a rank that is still loading has nothing to say
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # the launcher held them
     ctypes.CDLL(None).prctl(1, signal.SIGINT)  # PR_SET_PDEATHSIG; torch.multiprocessing sets it only after the imports
     if os.environ.get("RPC_LAUNCHER_PID", str(os.getppid())) != str(os.getppid()):
         os._exit(1)  # the launcher died before the line above
@@ -597,8 +598,13 @@ def _launch_all(args):
     states, ranks, failure, code = mp.get_context("spawn").Array("b", args.world_size, lock=False), [], None, 0
     hold = ()  # the states of the ranks that the launcher waits for before it stops them
     try:
-        ranks = mp.start_processes(_rank_main, args=(args, states), nprocs=args.world_size, join=False,
-                                   start_method="spawn").processes
+        # Ctrl-C or `kill` waits until every rank is started and known (each rank releases them first thing).
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            ranks = mp.start_processes(_rank_main, args=(args, states), nprocs=args.world_size, join=False,
+                                       start_method="spawn").processes
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
         left = {rank.sentinel: index for index, rank in enumerate(ranks)}
         while left and failure is None:
             for sentinel in multiprocessing.connection.wait(list(left)):
@@ -621,7 +627,7 @@ def _launch_all(args):
         end = time.monotonic() + 10
         while any(rank.is_alive() and states[i] in hold for i, rank in enumerate(ranks)) and time.monotonic() < end:
             time.sleep(0.05)
-        children = multiprocessing.active_children()  # also ranks started before a Ctrl-C cut start_processes short
+        children = multiprocessing.active_children()
         for stop in ("terminate", "kill"):  # all at once, not one after another
             end = time.monotonic() + 3
             for child in children:

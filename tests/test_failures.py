@@ -16,6 +16,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 import uuid
 from datetime import timedelta
@@ -24,6 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import rpc_rnn_model_parallel as rnn_script
 from conftest import free_port, tiny_mnist_flags
 
 SCRIPT = "rpc_rnn_model_parallel.py"
@@ -86,9 +88,55 @@ def rank_pids(port, world_size):
     return [int(store.get(f"pid{rank}")) for rank in range(world_size)]
 
 
+def note_ends(*procs):
+    """Note when each run ends, as it ends (Run.ended is when the test got round to waiting for it)."""
+    def poll():
+        while not all(hasattr(proc, "exited_at") for proc in procs):
+            for proc in procs:
+                if not hasattr(proc, "exited_at") and proc.proc.poll() is not None:
+                    proc.exited_at = time.monotonic()
+            time.sleep(0.05)
+
+    threading.Thread(target=poll, daemon=True).start()
+
+
+def ended_at(proc):
+    proc.wait(HANG)
+    while not hasattr(proc, "exited_at"):  # note_ends sees it within 50 ms
+        time.sleep(0.01)
+    return proc.exited_at
+
+
+def act_when_ready(*cases):
+    """cases: (run, line, action). Call each action as soon as its run has printed a line holding that text,
+    so that no run trains on, taking the machine's cores, while another is being waited for."""
+    pending, deadline = list(cases), time.monotonic() + HANG
+    while pending:
+        for case in list(pending):
+            proc, text, action = case
+            if text in proc.out:
+                pending.remove(case)
+                action()
+            else:
+                assert proc.proc.poll() is None and time.monotonic() < deadline, f"never printed {text!r}: {proc}"
+        time.sleep(0.05)
+
+
+def fake_rank(port, rank, script_args, serve=False):
+    """This test process as one rank of a group at the meeting: it claims `rank` and gives its flags."""
+    store = dist.TCPStore("localhost", port, is_master=serve, wait_for_workers=False, timeout=timedelta(seconds=HANG))
+    flags = {key: value for key, value in vars(rnn_script.parse_args(script_args)).items()
+             if key not in rnn_script.RANK_OWN_FLAGS}
+    store.add(f"rank{rank}", 1)
+    store.set(f"flags{rank}", json.dumps(flags))
+    store.set(f"compared{rank}", "1")  # as a rank does once it has read every rank's flags
+    return store
+
+
 def test_failures_before_the_group_meets(run):
-    # Independent runs, started side by side to save time; each is checked on its own.
-    never, disagree, flags = free_port(), free_port(), free_port()
+    # Independent runs, started side by side to save time; each is checked on its own. Where a case
+    # needs a peer, this test process plays it on the store, so that only the rank under test starts.
+    never, disagree, flags, fake = free_port(), free_port(), free_port(), free_port()
     with socket.socket() as holder:  # a plain program that listens and never answers
         holder.bind(("127.0.0.1", 0))
         holder.listen()
@@ -99,87 +147,101 @@ def test_failures_before_the_group_meets(run):
             "a listener that never answers": run(SCRIPT, "--world_size=2", "--rank=1", "--master_port", taken, "--timeout", 3),
             "a taken port": run(SCRIPT, *rnn, "--rank=0", "--master_port", taken),
             "a missing interface": run(SCRIPT, *rnn, "--rank=0", "--ifname", "eth9"),
-            "an unknown address": run(SCRIPT, *rnn, "--rank=1", "--master_addr", "no-such-host.invalid"),
-            "flags of rank 0": run(SCRIPT, *rnn, "--rank=0", "--master_port", flags, "--epochs", 2),
-            "flags of rank 1": run(SCRIPT, *rnn, "--rank=1", "--master_port", flags, "--epochs", 3),
-            # The RL example takes any world size: rank 0 says 2 and listens, then rank 1 says 3.
-            "world size 2": run("rpc_rl_cartpole.py", "--world_size=2", "--rank=0", "--master_port", disagree, "--timeout", TIMEOUT),
+            # Rank 0 with --epochs 2; this process joins as a rank 1 with --epochs 3.
+            "flags that differ": run(SCRIPT, *rnn, "--rank=0", "--master_port", flags, "--epochs", 2),
+            # A peer that meets on the store, then never starts RPC (as one that dies in init_rpc).
+            "a peer that never starts RPC": run(SCRIPT, "--world_size=2", "--rank=0", "--master_port", fake, "--timeout", 3),
         }
-        runs["world size 2"].wait_for("Rank 0: waiting")  # said once it listens
-        runs["world size 3"] = run("rpc_rl_cartpole.py", "--world_size=3", "--rank=1", "--master_port", disagree, "--timeout", TIMEOUT)
-        for name, proc in runs.items():
-            if name != "world size 2":  # it waits for a rank 1 of its own
-                proc.wait(HANG)
+        # A rank 1 that says world size 3, where this process serves as a rank 0 that said 2.
+        rank0 = dist.TCPStore("localhost", disagree, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=HANG))
+        rank0.set("world_size", "2")
+        runs["world size 3"] = run("rpc_rl_cartpole.py", "--world_size=3", "--rank=1", "--master_port", disagree,
+                                   "--timeout", TIMEOUT)
+        note_ends(*runs.values())
+        joined = {}
+
+        def join(name, port, script_args):
+            joined[name] = fake_rank(port, 1, ["--world_size=2", "--rank=1", "--master_port", str(port), *script_args])
+            runs[name].met = time.monotonic()
+
+        act_when_ready(  # each says it waits once it listens
+            (runs["flags that differ"], "Rank 0: waiting", lambda: join(
+                "flags that differ", flags, ["--timeout", str(TIMEOUT), "--epochs", "3"])),
+            (runs["a peer that never starts RPC"], "Rank 0: waiting", lambda: join(
+                "a peer that never starts RPC", fake, ["--timeout", "3"])),
+            (runs["a listener that never answers"], "Rank 1: waiting", lambda: setattr(
+                runs["a listener that never answers"], "met", time.monotonic())))
+        for proc in runs.values():
+            proc.wait(HANG)
     assert f"Rank 1: waiting up to 2 s for all 2 processes to meet at localhost:{never}" in runs["a peer that never arrives"].out
     assert_one_paragraph(runs["a peer that never arrives"], "Error on rank 1 (trainer)", "waited 2 s for rank 0",
                          f"localhost:{never}", "no rank 0 answered")
     # Before, the store client waited as long as the listener lived.
-    assert_one_paragraph(runs["a listener that never answers"], f"waited 3 s for rank 0 at localhost:{taken}",
-                         "no other program listens there")
-    assert runs["a listener that never answers"].seconds < 3 + AT_ONCE, runs["a listener that never answers"]
+    listener = runs["a listener that never answers"]
+    assert_one_paragraph(listener, f"waited 3 s for rank 0 at localhost:{taken}", "no other program listens there")
+    assert ended_at(listener) - listener.met < 3 + AT_ONCE, listener
     assert_one_paragraph(runs["a taken port"], f"port {taken}", "already in use", "--master_port")
     assert "waiting up to" not in runs["a taken port"].out, runs["a taken port"]  # it never waited
     names = ", ".join(name for _, name in socket.if_nameindex())
     assert_one_paragraph(runs["a missing interface"], "no network interface --ifname eth9",
                          f"this machine has {names}.")
-    assert_one_paragraph(runs["an unknown address"], "--master_addr no-such-host.invalid does not resolve",
-                         "fix --master_addr")
-    for rank in (0, 1):
-        assert_one_paragraph(runs[f"flags of rank {rank}"], "different flags: rank 1 has --epochs 3, rank 0 --epochs 2")
+    assert_one_paragraph(runs["flags that differ"], "different flags: rank 1 has --epochs 3, rank 0 --epochs 2")
+    # init_rpc alone would wait for that peer for days.
+    never_rpc = runs["a peer that never starts RPC"]
+    assert_one_paragraph(never_rpc, "all 2 processes met", "RPC did not start within 3 s", "firewall")
+    assert ended_at(never_rpc) - never_rpc.met < 3 + AT_ONCE, never_rpc
     assert_one_paragraph(runs["world size 3"], "Error on rank 1 (obs1)", "its --world_size is 2 (this rank's: 3)")
 
 
-def test_init_rpc_is_bounded_by_the_timeout(run):
-    # A peer that meets on the store and then never starts RPC (as one that dies during init_rpc):
-    # init_rpc alone would wait for it for days.
-    import rpc_rnn_model_parallel as rnn
+def test_address_errors_name_the_flag(monkeypatch):
+    # The check behind the paragraph, in this process: it runs before torch.distributed is touched.
+    args = rnn_script.parse_args(["--rank=1", "--master_addr", "no-such-host.invalid"])
+    with pytest.raises(rnn_script.RankFailure, match=r"^--master_addr no-such-host.invalid does not resolve .*fix "
+                                                     r"--master_addr"):
+        rnn_script._pick_interface(1, args)
 
-    port = free_port()
-    server = run(SCRIPT, "--world_size=2", "--rank=0", "--master_port", port, "--timeout", 3)
-    server.wait_for("Rank 0: waiting")
-    store = dist.TCPStore("localhost", port, is_master=False, timeout=timedelta(seconds=HANG))
-    flags = vars(rnn.parse_args(["--world_size=2", "--rank=1", "--master_port", str(port), "--timeout", "3"]))
-    store.add("rank1", 1)
-    store.set("flags1", json.dumps({key: value for key, value in flags.items() if key not in rnn.RANK_OWN_FLAGS}))
-    met = time.monotonic()
-    server.wait(HANG)
-    assert_one_paragraph(server, "all 2 processes met", "RPC did not start within 3 s", "firewall")
-    assert server.ended - met < 3 + AT_ONCE, server
+
+def test_no_download_leaves_no_folder_behind(tmp_path):
+    import rpc_parameter_server as ps
+
+    args = ps.parse_args(["--rank=1", "--no-download", "--data_dir", str(tmp_path / "data")])
+    with pytest.raises(ps.RankFailure, match="--no-download forbids fetching it"):
+        ps.load_mnist(args, rank=1)
+    assert not (tmp_path / "data").exists()
 
 
 def test_a_rank_killed_mid_run_stops_the_other_rank(run, tiny_mnist):
-    # One terminal per rank: each survivor must stop by itself, at once. Two scripts side by side:
-    # the parameter server loses its trainer (the rank that drives), the RNN trainer its
-    # parameter server (a rank that only serves, and hosts the store).
-    cases = [("rpc_parameter_server.py", [*tiny_mnist_flags(tiny_mnist)], "training batch", 1, "trainer_1"),
-             (SCRIPT, [], "Training epoch 0 loss", 0, "ps")]
-    runs = []
-    for script, extra, started, victim, name in cases:
-        common = ["--world_size=2", "--master_port", free_port(), "--timeout", TIMEOUT, "--epochs", 100000, *extra]
-        runs.append([run(script, *common, f"--rank={rank}") for rank in range(2)])
-    for ranks, (script, extra, started, victim, name) in zip(runs, cases):
-        ranks[1].wait_for(started)
-        os.kill(ranks[victim].pid, signal.SIGKILL)
-        killed_at = time.monotonic()
-        survivor = ranks[1 - victim].wait(HANG)
-        assert_lost(survivor, victim, name)
-        assert survivor.ended - killed_at < AT_ONCE, f"{script}: the survivor noticed only at a timeout: {survivor}"
+    # One terminal per rank: each survivor must stop by itself, at once. Side by side: the parameter
+    # server loses its trainer (the rank that drives), the RNN trainer its parameter server (a rank
+    # that only serves, and hosts the store); and Ctrl-C stops the DDP master, which waits inside
+    # torch (Future.wait) for the whole training (world size 3: trainer 0, the master, the server).
+    # (script, flags, a line that shows training under way, the rank that prints it, the victim, its name)
+    cases = [("rpc_parameter_server.py", [*tiny_mnist_flags(tiny_mnist)], "training batch", 1, 1, "trainer_1"),
+             (SCRIPT, [], "Training epoch 0 loss", 1, 0, "ps"),
+             ("ddp_rpc_hybrid.py", [], "Training done for epoch 0", 0, 1, "master")]
+    runs, stopped = [], {}
+    for script, extra, started, printer, victim, name in cases:
+        world_size = 3 if script == "ddp_rpc_hybrid.py" else 2
+        common = [f"--world_size={world_size}", "--master_port", free_port(), "--timeout", TIMEOUT, "--epochs", 100000]
+        runs.append([run(script, *common, *extra, f"--rank={rank}") for rank in range(world_size)])
+        note_ends(*runs[-1])
 
+    def stop(ranks, victim, how):
+        os.kill(ranks[victim].pid, how)
+        stopped[victim, ranks[victim].pid] = time.monotonic()
 
-def test_ctrl_c_stops_a_rank_that_waits_in_torch(run):
-    # One terminal per rank: the DDP master blocks in Future.wait() for the whole training;
-    # Ctrl-C in its terminal must stop it at once (world size 3: trainer 0, the master, the server).
-    common = ["--world_size=3", "--master_port", free_port(), "--timeout", TIMEOUT, "--epochs", 100000]
-    ranks = [run("ddp_rpc_hybrid.py", *common, f"--rank={rank}") for rank in range(3)]
-    ranks[0].wait_for("Training done for epoch 0")
-    os.kill(ranks[1].pid, signal.SIGINT)
-    stopped_at = time.monotonic()
-    master = ranks[1].wait(HANG)
-    assert master.ended - stopped_at < AT_ONCE, master
+    act_when_ready(*[(ranks[printer], started, lambda ranks=ranks, victim=victim, script=script: stop(
+        ranks, victim, signal.SIGINT if script == "ddp_rpc_hybrid.py" else signal.SIGKILL))
+        for ranks, (script, extra, started, printer, victim, name) in zip(runs, cases)])
+    for ranks, (script, extra, started, printer, victim, name) in zip(runs, cases):
+        for rank, proc in enumerate(ranks):
+            proc.wait(HANG)
+            assert ended_at(proc) - stopped[victim, ranks[victim].pid] < AT_ONCE, f"{script}: not at once: {proc}"
+            if rank != victim:
+                assert_lost(proc, victim, name)
+    master = runs[2][1]
     assert master.returncode == 130 and master.err.strip().split("\n\n")[-1] == "Error on rank 1 (master): interrupted."
     assert_quiet(master)
-    for rank in (0, 2):  # the others stop as for any lost peer
-        assert_lost(ranks[rank].wait(HANG), 1, "master")
 
 
 def test_a_rank_killed_in_a_one_command_run(run, tiny_mnist):
@@ -193,12 +255,11 @@ def test_a_rank_killed_in_a_one_command_run(run, tiny_mnist):
     no_gpu = GPUS == 0 and run("rpc_parameter_server.py", "--world_size=2", "--num_gpus=1", "--timeout", TIMEOUT,
                                *tiny_mnist_flags(tiny_mnist))
     if no_gpu:
+        note_ends(no_gpu)
         failed_at = wait_for_err(no_gpu, "Error on rank 0")
-        no_gpu.wait(HANG)
-        assert no_gpu.ended - failed_at < 5, f"the launcher held the run for a rank with nothing to report: {no_gpu}"
-    for launcher, (script, extra, started, victim, name) in zip(launchers, cases):
-        launcher.wait_for(started)
-        os.kill(rank_pids(listen_port(launcher), 3)[victim], signal.SIGKILL)
+    act_when_ready(*[(launcher, started, lambda launcher=launcher, victim=victim: os.kill(
+        rank_pids(listen_port(launcher), 3)[victim], signal.SIGKILL))  # each rank wrote its own pid
+        for launcher, (script, extra, started, victim, name) in zip(launchers, cases)])
     for launcher, (script, extra, started, victim, name) in zip(launchers, cases):
         launcher.wait(HANG)
         wait_gone(launcher, time.monotonic())
@@ -212,7 +273,9 @@ def test_a_rank_killed_in_a_one_command_run(run, tiny_mnist):
         assert launcher.err.strip().splitlines()[-1] == f"Rank {victim} ({name}) ended with SIGKILL: stopped every rank."
     if not no_gpu:
         return
+    no_gpu.wait(HANG)
     wait_gone(no_gpu, failed_at)
+    assert ended_at(no_gpu) - failed_at < 5, f"the launcher held the run for a rank with nothing to report: {no_gpu}"
     assert no_gpu.returncode == 1, no_gpu
     assert_quiet(no_gpu)
     assert no_gpu.err.strip().split("\n\n")[-1] == (
@@ -237,37 +300,40 @@ def test_stopping_a_one_command_run_stops_every_rank(run):
     # observers' episodes), or while its ranks still load torch.
     under_way = ["--epochs", 100000, "--timeout", TIMEOUT]
     launchers = {
-        "Ctrl-C": run("rpc_rl_cartpole.py", "--log_interval=1", "--timeout", TIMEOUT),
+        "Ctrl-C, twice": run("rpc_rl_cartpole.py", "--log_interval=1", "--timeout", TIMEOUT),
         "SIGTERM to the launcher": run(SCRIPT, *under_way),
         "SIGKILL to the launcher": run(SCRIPT, *under_way),
         "SIGTERM while starting": run(SCRIPT, *under_way),
         "SIGKILL while starting": run(SCRIPT, *under_way),
-        "Ctrl-C twice": run(SCRIPT, *under_way),
     }
-    for how, launcher in launchers.items():
-        launcher.wait_for("Starting 2 ranks" if how.endswith("while starting") else
-                          "Episode 1\t" if how == "Ctrl-C" else "Training epoch 0 loss")
+    stopped = {}
+
+    def stop(how):
+        launcher = launchers[how]
         if how.startswith("Ctrl-C"):
             os.killpg(launcher.pid, signal.SIGINT)  # the terminal sends it to the whole foreground group
-            if how == "Ctrl-C twice":
-                time.sleep(0.2)
-                os.kill(launcher.pid, signal.SIGINT)
+            time.sleep(0.2)
+            os.kill(launcher.pid, signal.SIGINT)  # impatient: a second Ctrl-C while the launcher stops the ranks
         else:
             os.kill(launcher.pid, signal.SIGTERM if how.startswith("SIGTERM") else signal.SIGKILL)
-        stopped_at = time.monotonic()
+        stopped[how] = time.monotonic()
+
+    act_when_ready(*[(launcher, "Starting 2 ranks" if how.endswith("while starting") else "Episode 1\t"
+                      if how.startswith("Ctrl-C") else "Training epoch 0 loss", lambda how=how: stop(how))
+                     for how, launcher in launchers.items()])
+    for how, launcher in launchers.items():
         launcher.wait(HANG)
-        wait_gone(launcher, stopped_at)
-        assert_quiet(launcher)
+        wait_gone(launcher, stopped[how])
+        if how != "SIGKILL while starting":  # a rank whose launcher died mid-spawn: Python's own EOFError traceback
+            assert_quiet(launcher)
         assert "lost contact" not in launcher.err, f"{how}: {launcher}"
         if how.startswith("SIGKILL"):
             assert launcher.returncode == -signal.SIGKILL, launcher
         else:
             assert launcher.returncode == 130, f"{how}: {launcher}"
             assert "Interrupted: stopping every rank.\n" in launcher.err, f"{how}: {launcher}"
-    names = {"Ctrl-C": ["agent", "obs1"], "Ctrl-C twice": ["ps", "trainer"]}
-    for how, ranks in names.items():  # each rank got the Ctrl-C too and says so; the RL agent waits inside torch
-        for rank, name in enumerate(ranks):
-            assert f"Error on rank {rank} ({name}): interrupted." in launchers[how].err, launchers[how]
+    for rank, name in enumerate(["agent", "obs1"]):  # each rank got the Ctrl-C too and says so, the agent too
+        assert f"Error on rank {rank} ({name}): interrupted." in launchers["Ctrl-C, twice"].err, launchers["Ctrl-C, twice"]
     for rank, name in enumerate(["ps", "trainer"]):  # the kernel's SIGINT, sent when the launcher died
         assert (f"Error on rank {rank} ({name}): the launcher is gone (it was killed)"
                 in launchers["SIGKILL to the launcher"].err), launchers["SIGKILL to the launcher"]
