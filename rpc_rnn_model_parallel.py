@@ -33,7 +33,6 @@ if __name__ == "__main__" and "--debug" not in sys.argv:
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
 if __name__ == "__mp_main__":  # a rank that _launch_all (below) spawned: stop with the launcher, even while torch loads
     signal.signal(signal.SIGINT, lambda *_: os._exit(130))  # quietly: a rank that is still loading has nothing to say
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # the launcher held them
     ctypes.CDLL(None).prctl(1, signal.SIGINT)  # PR_SET_PDEATHSIG; torch.multiprocessing sets it only after the imports
     if os.environ.get("RPC_LAUNCHER_PID", str(os.getppid())) != str(os.getppid()):
         os._exit(1)  # the launcher died before the line above
@@ -497,10 +496,16 @@ def _rank_main(rank, args, states=None):
                           else "interrupted.", exc, code=130, shared=True)
 
 
+_held = None  # while the launcher spawns ranks: the stop signals that came, acted on once every rank has started
+
+
 def _interrupt(signum, frame):  # Ctrl-C, or `kill`, to the launcher: stop every rank
     for each in (signal.SIGINT, signal.SIGTERM):  # first, so that a second Ctrl-C cannot stop the stopping
         signal.signal(each, signal.SIG_IGN)
-    raise KeyboardInterrupt(signal.Signals(signum).name)
+    if _held is not None:  # a rank cut off mid-spawn would print multiprocessing's own traceback
+        _held.append(signum)
+    else:
+        raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 def _launch_all(args):
@@ -520,14 +525,14 @@ def _launch_all(args):
     os.environ["RPC_LAUNCHER_PID"] = str(os.getpid())  # lets a rank tell a killed launcher from Ctrl-C
     states, ranks, failure, code = mp.get_context("spawn").Array("b", args.world_size, lock=False), [], None, 0
     hold = ()  # the states of the ranks that the launcher waits for before it stops them
+    global _held
     try:
-        # Ctrl-C or `kill` waits until every rank is started and known (each rank releases them first thing).
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-        try:
-            ranks = mp.start_processes(_rank_main, args=(args, states), nprocs=args.world_size, join=False,
-                                       start_method="spawn").processes
-        finally:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+        _held = []
+        ranks = mp.start_processes(_rank_main, args=(args, states), nprocs=args.world_size, join=False,
+                                   start_method="spawn").processes
+        held, _held = _held, None
+        if held:
+            raise KeyboardInterrupt(signal.Signals(held[0]).name)
         left = {rank.sentinel: index for index, rank in enumerate(ranks)}
         while left and failure is None:
             for sentinel in multiprocessing.connection.wait(list(left)):
@@ -545,6 +550,7 @@ def _launch_all(args):
         if exc.args == ("SIGINT",):  # Ctrl-C reached the ranks too: let each say so
             hold = (0, 1)
     finally:
+        _held = None
         for signum in (signal.SIGINT, signal.SIGTERM):  # nor a Ctrl-C after a failure
             signal.signal(signum, signal.SIG_IGN)
         end = time.monotonic() + 10
