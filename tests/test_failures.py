@@ -35,6 +35,13 @@ AT_ONCE = TIMEOUT / 2  # "at once": well under --timeout, so a rank that only no
 GPUS = torch.cuda.device_count()
 
 
+@pytest.fixture
+def run(run):
+    """conftest's run, with one intra-op thread per process: these runs share two cores and only need to
+    be under way, and idle OpenMP threads that spin would slow every other run."""
+    return lambda *args, env=None, **kwargs: run(*args, env={"OMP_NUM_THREADS": "1", **(env or {})}, **kwargs)
+
+
 def assert_quiet(proc):
     """No traceback, no C++ frames, no torch log line about stopping processes."""
     for wall in ("Traceback", "frame #", "Terminating process"):
