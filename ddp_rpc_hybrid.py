@@ -565,7 +565,7 @@ def _launch_all(args):
     for name, value in (("MALLOC_ARENA_MAX", "1"), ("MALLOC_MMAP_THRESHOLD_", "33554432"),
                         ("MALLOC_TRIM_THRESHOLD_", "268435456")):
         os.environ.setdefault(name, value)
-    os.environ["RPC_LAUNCHER_PID"] = str(os.getpid())  # lets a rank tell a killed launcher from Ctrl-C
+    os.environ["RPC_LAUNCHER_PID"] = str(os.getpid())  # so that a rank knows it was spawned, and by whom
     states, ranks, failure, code = mp.get_context("spawn").Array("b", args.world_size, lock=False), [], None, 0
     hold = ()  # the states of the ranks that the launcher waits for before it stops them
     global _held
