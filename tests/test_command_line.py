@@ -1,4 +1,4 @@
-"""Bad arguments: exit 2, argparse's usage line and one line naming the problem."""
+"""Bad arguments: exit 2, a short usage line and one line naming the problem; --help says which flags must agree."""
 import importlib
 
 import pytest
@@ -24,10 +24,11 @@ CASES = [
     ("rpc_rl_cartpole", ["--gamma=0"], "--gamma must be in (0, 1], got 0.0"),
     ("rpc_rnn_model_parallel", ["--world_size=3"], "--world_size must be 2 (the tutorial's parameter server and one trainer), got 3"),
     ("rpc_rnn_model_parallel", ["--nhid=0"], "argument --nhid: must be positive, got 0"),
+    ("rpc_rnn_model_parallel", ["--epochs=0"], "argument --epochs: must be positive, got 0"),  # README's example
     ("rpc_rnn_model_parallel", ["--nhid=x"], "argument --nhid: invalid positive value: 'x'"),
     ("rpc_rnn_model_parallel", ["--dropout=1"], "--dropout must be in [0, 1), got 1.0"),
     ("ddp_rpc_hybrid", ["--world_size=2"], "--world_size must be at least 3 (at least one trainer, the master and the parameter server)"),
-    ("ddp_rpc_hybrid", ["--master_port=29600", "--ddp_port=29600"], "--ddp_port must be in 1..65535 and differ from --master_port"),
+    ("ddp_rpc_hybrid", ["--ddp_port=29600"], "unrecognized arguments: --ddp_port=29600"),  # DDP meets on --master_port
     ("ddp_rpc_hybrid", ["--batches_per_epoch=0"], "argument --batches_per_epoch: must be positive, got 0"),
 ]
 
@@ -39,6 +40,15 @@ def test_bad_arguments_exit_2(module, argv, problem, capsys, monkeypatch):
     with pytest.raises(SystemExit) as exit_info:
         importlib.import_module(module).main(argv)
     assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    assert err.startswith("usage: ") and f"error: {problem}" in err
-    assert len(err.strip().splitlines()[-1]) < 200 and "Traceback" not in err
+    usage, error = capsys.readouterr().err.strip().splitlines()  # two lines, not argparse's whole synopsis
+    assert usage.startswith("usage: ") and usage.endswith(" [flags]   (--help lists them)")
+    assert f": error: {problem}" in error and len(error) < 200
+
+
+@pytest.mark.parametrize("module", sorted({module for module, _, _ in CASES}))
+def test_help_says_which_flags_must_agree(module, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        importlib.import_module(module).main(["--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps the text to the terminal's width
+    assert "start every rank with the same flags; only --rank, --master_addr, --ifname, --timeout and --debug" in text
