@@ -533,7 +533,7 @@ def _exit_with_report(rank, args, message, exc=None, code=1, shared=False):
         sys.stdout.flush(), sys.stderr.flush()
         # Stay reachable while peers have yet to report the same cause, so that they say what they saw, not
         # that this rank vanished: in a one-command run until each has (the launcher's states tell), else 2 s.
-        launched = _states is not None and os.environ.get("RPC_LAUNCHER_PID") == str(os.getppid())
+        launched = _states is not None  # shared memory: it outlives a killed launcher
         if launched:
             _states[rank] = 2
         end = time.monotonic() + (10 if launched else 2 if code == 1 and args.world_size > 2 else 0)
@@ -571,6 +571,7 @@ def _rank_main(rank, args, states=None):
     try:
         worker.join()
     except KeyboardInterrupt as exc:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # one report: a second signal would cut it short, silently
         # In a rank it spawned: did the kernel send this because the launcher died? (Its pipe closes then.)
         parent = multiprocessing.parent_process()
         orphan = parent is not None and bool(multiprocessing.connection.wait([parent.sentinel], 0.5))

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 import rpc_rnn_model_parallel as rnn_script
-from conftest import free_port, tiny_mnist_flags
+from conftest import assert_no_traceback, free_port, tiny_mnist_flags
 
 SCRIPT = "rpc_rnn_model_parallel.py"
 TIMEOUT = 30  # --timeout for these runs: a killed peer is noticed at once, a busy machine is no failure
@@ -44,8 +44,8 @@ def run(run):
 
 def assert_quiet(proc):
     """No traceback, no C++ frames, no torch log line about stopping processes."""
-    for wall in ("Traceback", "frame #", "Terminating process"):
-        assert wall not in proc.err, proc
+    assert_no_traceback(proc.err)
+    assert "Terminating process" not in proc.err, proc
 
 
 def assert_one_paragraph(proc, *phrases, code=1):
@@ -282,7 +282,8 @@ def test_a_rank_killed_in_a_one_command_run(run, tiny_mnist):
         return
     no_gpu.wait(HANG)
     wait_gone(no_gpu, failed_at)
-    assert ended_at(no_gpu) - failed_at < 5, f"the launcher held the run for a rank with nothing to report: {no_gpu}"
+    # The old launcher held every rank for a 10 s grace period; well under that, with room for a loaded machine.
+    assert ended_at(no_gpu) - failed_at < 8, f"the launcher held the run for a rank with nothing to report: {no_gpu}"
     assert no_gpu.returncode == 1, no_gpu
     assert_quiet(no_gpu)
     assert no_gpu.err.strip().split("\n\n")[-1] == (
