@@ -12,7 +12,6 @@ One terminal per rank (tutorial):    python rpc_rl_cartpole.py --world_size=2 --
 """
 import argparse
 import contextlib
-import ctypes
 import fcntl
 import ipaddress
 import json
@@ -33,11 +32,8 @@ from itertools import count
 if __name__ == "__main__" and "--debug" not in sys.argv:
     # Before torch loads: its C++ log would repeat each failure as warnings, errors and stack dumps.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
-if __name__ == "__mp_main__":  # a rank that _launch_all (below) spawned: stop with the launcher, even while torch loads
-    signal.signal(signal.SIGINT, lambda *_: os._exit(130))  # quietly: a rank that is still loading has nothing to say
-    ctypes.CDLL(None).prctl(1, signal.SIGINT)  # PR_SET_PDEATHSIG; torch.multiprocessing sets it only after the imports
-    if os.environ.get("RPC_LAUNCHER_PID", str(os.getppid())) != str(os.getppid()):
-        os._exit(1)  # the launcher died before the line above
+if __name__ == "__mp_main__":  # a rank that _launch_all (below) started, still starting: it has nothing to say yet
+    signal.signal(signal.SIGINT, lambda *_: os._exit(130))
 
 import gymnasium as gym
 import torch
@@ -478,7 +474,13 @@ def _rank_main(rank, args, states=None):
     _states = states
     for stream in (sys.stdout, sys.stderr):  # whole lines, even with PYTHONUNBUFFERED=1: ranks never merge
         stream.reconfigure(line_buffering=True, write_through=False)
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # the spawned rank's quiet start-up handler ends here
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # the launched rank's quiet start-up handler ends here
+    if states is not None:  # stop with the launcher (the kernel's parent-death signal would come from the fork server)
+        def stop_with_launcher(launcher=multiprocessing.parent_process().sentinel):
+            multiprocessing.connection.wait([launcher])  # its end of the pipe closes when it dies
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+        threading.Thread(target=stop_with_launcher, daemon=True).start()
     # The rank runs in a thread of its own: the main thread then takes Ctrl-C at once, where torch's waits
     # (Future.wait, init_rpc) would hold it until they return.
     worker = threading.Thread(target=_run_rank_reporting, args=(rank, args), daemon=True)
@@ -487,7 +489,7 @@ def _rank_main(rank, args, states=None):
         worker.join()
     except KeyboardInterrupt as exc:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # one report: a second signal would cut it short, silently
-        # In a rank it spawned: did the kernel send this because the launcher died? (Its pipe closes then.)
+        # In a rank it launched: did the kernel send this because the launcher died? (Its pipe closes then.)
         parent = multiprocessing.parent_process()
         orphan = parent is not None and bool(multiprocessing.connection.wait([parent.sentinel], 0.5))
         _exit_with_report(rank, args, "the launcher is gone (it was killed), so this rank stops too." if orphan
@@ -507,7 +509,7 @@ def _interrupt(signum, frame):  # Ctrl-C, or `kill`, to the launcher: stop every
 
 
 def _launch_all(args):
-    """Every rank in a process of its own, spawned as mp.spawn does; when one fails, or on Ctrl-C, all stop."""
+    """Every rank in a process of its own, as mp.spawn starts them; when one fails, or on Ctrl-C, all stop."""
     if args.master_port is None:  # a free port, so that two runs never meet
         with socket.socket() as sock:
             sock.bind((args.master_addr, 0))
@@ -520,14 +522,16 @@ def _launch_all(args):
     for name, value in (("MALLOC_ARENA_MAX", "1"), ("MALLOC_MMAP_THRESHOLD_", "33554432"),
                         ("MALLOC_TRIM_THRESHOLD_", "268435456")):
         os.environ.setdefault(name, value)
-    os.environ["RPC_LAUNCHER_PID"] = str(os.getpid())  # so that a rank knows it was spawned, and by whom
-    states, ranks, failure, code = mp.get_context("spawn").Array("b", args.world_size, lock=False), [], None, 0
+    # The ranks fork from one server that imports this script, and so torch, once; it never touches CUDA.
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload([os.path.splitext(os.path.basename(__file__))[0]])
+    states, ranks, failure, code = context.Array("b", args.world_size, lock=False), [], None, 0
     hold = ()  # the states of the ranks that the launcher waits for before it stops them
     global _held
     try:
         _held = []
         ranks = mp.start_processes(_rank_main, args=(args, states), nprocs=args.world_size, join=False,
-                                   start_method="spawn").processes
+                                   start_method="forkserver").processes
         held, _held = _held, None
         if held:
             raise KeyboardInterrupt(signal.Signals(held[0]).name)
