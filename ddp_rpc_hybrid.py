@@ -488,6 +488,8 @@ def _exit_with_report(rank, args, message, exc=None, code=1, shared=False):
         hint = "" if args.debug or code != 1 else "\n(Run with --debug to see the traceback and torch's own log.)"
         print(f"\nError on rank {rank} ({worker_name(rank, args.world_size)}): {message}{hint}", file=sys.stderr)
         sys.stdout.flush(), sys.stderr.flush()
+        if not args.debug:  # the paragraph is this rank's last word: torch's threads may still print as peers go
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
         # Stay reachable while peers have yet to report the same cause, so that they say what they saw, not
         # that this rank vanished: in a one-command run until each has (the launcher's states tell), else 2 s.
         launched = _states is not None  # shared memory: it outlives a killed launcher
@@ -556,11 +558,14 @@ def _interrupt(signum, frame):  # Ctrl-C, or `kill`, to the launcher: stop every
 
 def _launch_all(args):
     """Every rank in a process of its own, as mp.spawn starts them; when one fails, or on Ctrl-C, all stop."""
+    reserved = socket.socket()  # bound until the run ends, never listening: the OS gives its port to no one else
     if args.master_port is None:  # a free port, so that two runs never meet
-        with socket.socket() as sock:
-            sock.bind((args.master_addr, 0))
-            args.master_port = sock.getsockname()[1]
-    for signum in (signal.SIGINT, signal.SIGTERM):  # before any rank starts, so that none is left behind
+        reserved.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # rank 0 can still listen on it
+        reserved.bind((args.master_addr, 0))
+        args.master_port = reserved.getsockname()[1]
+    global _held
+    _held = []  # a stop signal from here on waits until every rank has started, so that none is left behind
+    for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, _interrupt)
     print(f"Starting {args.world_size} ranks; rank 0 listens on {args.master_addr}:{args.master_port}", flush=True)
     # For the ranks only (glibc reads these at start-up): one malloc arena, and large blocks kept rather than
@@ -573,9 +578,7 @@ def _launch_all(args):
     context.set_forkserver_preload([os.path.splitext(os.path.basename(__file__))[0]])
     states, ranks, failure, code = context.Array("b", args.world_size, lock=False), [], None, 0
     hold = ()  # the states of the ranks that the launcher waits for before it stops them
-    global _held
     try:
-        _held = []
         ranks = mp.start_processes(_rank_main, args=(args, states), nprocs=args.world_size, join=False,
                                    start_method="forkserver").processes
         held, _held = _held, None
@@ -612,6 +615,7 @@ def _launch_all(args):
                     getattr(child, stop)()
             for child in children:
                 child.join(max(0.0, end - time.monotonic()))
+    reserved.close()
     if failure:
         print(failure, file=sys.stderr)
     return code
