@@ -2,6 +2,7 @@
 several tests read, tiny MNIST, and the RPC helper process."""
 import fcntl
 import ipaddress
+import json
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -39,11 +40,17 @@ TIMING_FIGURES = {"seconds", "ms_per_batch", "us_per_step"}  # Summary figures t
 HANG = 300  # a test's own limit on a run: only keeps a hang from running forever
 
 
+_reserved = []  # the sockets that hold free_port's ports for the whole session
+
+
 def free_port(host="127.0.0.1"):
-    """A port the OS says is free now on host (never a hard-coded one)."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    """A free port on host (never a hard-coded one), held for the session as the scripts' launchers hold
+    theirs: bound, never listening, so the OS gives it to no one else, while a rank 0 can still listen on it."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))
+    _reserved.append(sock)
+    return sock.getsockname()[1]
 
 
 def own_address():
@@ -72,17 +79,82 @@ def summary(out, timings=True):
     return figures if timings else {key: value for key, value in figures.items() if key not in TIMING_FIGURES}
 
 
-class Run:
-    """One script started as a user would, in its own session; output read as it comes."""
+class Preloaded:
+    """tests/preloaded.py: a Python that has loaded torch once and forks each run asked of it."""
 
-    def __init__(self, script, args, cwd, env=None, prefix=(), python_args=()):
+    def __init__(self):
+        self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.server = subprocess.Popen([sys.executable, str(ROOT / "tests" / "preloaded.py"), str(theirs.fileno())],
+                                       pass_fds=[theirs.fileno()], env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        theirs.close()
+        self.lock, self.changed, self.started, self.ended = threading.Lock(), threading.Condition(), [], {}
+        threading.Thread(target=self._listen, daemon=True).start()
+
+    def _listen(self):
+        while message := self.sock.recv(4096):
+            what, pid, *status = json.loads(message)
+            with self.changed:
+                if what == "started":
+                    self.started.append(pid)
+                else:
+                    self.ended[pid] = status[0]
+                self.changed.notify_all()
+
+    def start(self, argv, env, cwd):
+        """A Popen-like handle on `python argv...` forked by the server, in a session of its own."""
+        (out_r, out_w), (err_r, err_w) = os.pipe(), os.pipe()
+        with self.lock, self.changed:
+            socket.send_fds(self.sock, [json.dumps([argv[0], argv[1:], env, str(cwd)]).encode()], [out_w, err_w])
+            os.close(out_w), os.close(err_w)
+            if not self.changed.wait_for(lambda: self.started, HANG):
+                pytest.fail(f"tests/preloaded.py did not start {argv}")
+            return Forked(self, self.started.pop(), open(out_r), open(err_r))
+
+    def stop(self):
+        self.sock.close()
+        self.server.kill()
+        self.server.wait()
+
+
+class Forked:
+    """What Run uses of Popen, for a process that tests/preloaded.py forked (its parent there reaps it)."""
+
+    def __init__(self, server, pid, stdout, stderr):
+        self.server, self.pid, self.stdout, self.stderr, self.returncode = server, pid, stdout, stderr, None
+
+    def poll(self):
+        if self.returncode is None and self.pid in self.server.ended:
+            self.returncode = os.waitstatus_to_exitcode(self.server.ended[self.pid])
+        return self.returncode
+
+    def wait(self, timeout=None):
+        with self.server.changed:
+            if not self.server.changed.wait_for(lambda: self.pid in self.server.ended, timeout):
+                raise subprocess.TimeoutExpired(str(self.pid), timeout)
+        return self.poll()
+
+
+_preloaded = []  # the one Preloaded server of this session, once a run needs it
+
+
+class Run:
+    """One script started as a user would, in its own session; output read as it comes. Forked from
+    tests/preloaded.py unless it needs a fresh interpreter: fresh=True, a prefix (ip netns exec), python_args
+    (torchrun) or --debug (torch's log level is set before torch loads)."""
+
+    def __init__(self, script, args, cwd, env=None, prefix=(), python_args=(), fresh=False):
         self.started, self.cwd = time.monotonic(), Path(cwd)
-        self.proc = subprocess.Popen(
-            [*prefix, sys.executable, *python_args, str(ROOT / script), *map(str, args)],
-            cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-            start_new_session=True,  # so a test can signal the whole group, and kill it if it hangs
-        )
+        argv, env = [str(ROOT / script), *map(str, args)], {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        if fresh or prefix or python_args or "--debug" in argv:
+            self.proc = subprocess.Popen(
+                [*prefix, sys.executable, *python_args, *argv], cwd=cwd, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, text=True, env=env,
+                start_new_session=True,  # so a test can signal the whole group, and kill it if it hangs
+            )
+        else:
+            if not _preloaded:
+                _preloaded.append(Preloaded())
+            self.proc = _preloaded[0].start(argv, env, cwd)
         self.pid = self.proc.pid
         self._out, self._err = [], []
         self._readers = [threading.Thread(target=lambda pipe=pipe, lines=lines: lines.extend(pipe), daemon=True)
@@ -156,6 +228,13 @@ class Run:
                 f"\nstderr:\n{self.err[-4000:]}")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _stop_preloaded():
+    yield
+    for server in _preloaded:
+        server.stop()
+
+
 @pytest.fixture
 def run(tmp_path):
     """run(script, *args) starts a script of the repository; prefix= puts a command
@@ -164,8 +243,8 @@ def run(tmp_path):
     teardown, pass or fail."""
     started = []
 
-    def start(script, *args, env=None, prefix=(), python_args=()):
-        proc = Run(script, args, cwd=tmp_path, env=env, prefix=prefix, python_args=python_args)
+    def start(script, *args, env=None, prefix=(), python_args=(), fresh=False):
+        proc = Run(script, args, cwd=tmp_path, env=env, prefix=prefix, python_args=python_args, fresh=fresh)
         started.append(proc)
         return proc
 

@@ -20,6 +20,7 @@ import threading
 import time
 import uuid
 from datetime import timedelta
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -217,67 +218,72 @@ def test_no_download_leaves_no_folder_behind(tmp_path):
     assert not (tmp_path / "data").exists()
 
 
-def test_a_rank_killed_mid_run_stops_the_other_rank(run, tiny_mnist):
+class Kill(NamedTuple):
+    script: str
+    flags: list
+    started: str  # a line that shows training under way
+    printer: int  # the rank that prints it
+    victim: int  # the rank that is stopped
+    name: str  # its name
+    signal: int = signal.SIGKILL
+
+
+def test_a_rank_killed_mid_run_stops_the_other_ranks(run, tiny_mnist):
     # One terminal per rank: each survivor must stop by itself, at once. Side by side: the parameter
     # server loses its trainer (the rank that drives), the RNN trainer its parameter server (a rank
-    # that only serves, and hosts the store); and Ctrl-C stops the DDP master, which waits inside
-    # torch (Future.wait) for the whole training (world size 3: trainer 0, the master, the server).
-    # (script, flags, a line that shows training under way, the rank that prints it, the victim, its name)
-    cases = [("rpc_parameter_server.py", [*tiny_mnist_flags(tiny_mnist)], "training batch", 1, 1, "trainer_1"),
-             (SCRIPT, [], "Training epoch 0 loss", 1, 0, "ps"),
-             ("ddp_rpc_hybrid.py", [], "Training done for epoch 0", 0, 1, "master")]
+    # that only serves, and hosts the store), DDP's master and parameter server a trainer (whose
+    # DDP group dies with it); and Ctrl-C stops the DDP master, which waits inside torch (Future.wait)
+    # for the whole training. DDP at world size 3: trainer 0, the master, the parameter server.
+    cases = [Kill("rpc_parameter_server.py", tiny_mnist_flags(tiny_mnist), "training batch", 1, 1, "trainer_1"),
+             Kill(SCRIPT, [], "Training epoch 0 loss", 1, 0, "ps"),
+             Kill("ddp_rpc_hybrid.py", [], "Training done for epoch 0", 0, 0, "trainer0"),
+             Kill("ddp_rpc_hybrid.py", [], "Training done for epoch 0", 0, 1, "master", signal.SIGINT)]
     runs, stopped = [], {}
-    for script, extra, started, printer, victim, name in cases:
-        world_size = 3 if script == "ddp_rpc_hybrid.py" else 2
+    for case in cases:
+        world_size = 3 if case.script == "ddp_rpc_hybrid.py" else 2
         common = [f"--world_size={world_size}", "--master_port", free_port(), "--timeout", TIMEOUT, "--epochs", 100000]
-        runs.append([run(script, *common, *extra, f"--rank={rank}") for rank in range(world_size)])
+        runs.append([run(case.script, *common, *case.flags, f"--rank={rank}") for rank in range(world_size)])
         note_ends(*runs[-1])
 
-    def stop(ranks, victim, how):
-        os.kill(ranks[victim].pid, how)
-        stopped[victim, ranks[victim].pid] = time.monotonic()
+    def stop(ranks, case):
+        os.kill(ranks[case.victim].pid, case.signal)
+        stopped[ranks[case.victim].pid] = time.monotonic()
 
-    act_when_ready(*[(ranks[printer], started, lambda ranks=ranks, victim=victim, script=script: stop(
-        ranks, victim, signal.SIGINT if script == "ddp_rpc_hybrid.py" else signal.SIGKILL))
-        for ranks, (script, extra, started, printer, victim, name) in zip(runs, cases)])
-    for ranks, (script, extra, started, printer, victim, name) in zip(runs, cases):
+    act_when_ready(*[(ranks[case.printer], case.started, lambda ranks=ranks, case=case: stop(ranks, case))
+                     for ranks, case in zip(runs, cases)])
+    for ranks, case in zip(runs, cases):
         for rank, proc in enumerate(ranks):
             proc.wait(HANG)
-            assert ended_at(proc) - stopped[victim, ranks[victim].pid] < AT_ONCE, f"{script}: not at once: {proc}"
-            if rank != victim:
-                assert_lost(proc, victim, name)
-    master = runs[2][1]
+            assert ended_at(proc) - stopped[ranks[case.victim].pid] < AT_ONCE, f"{case.script}: not at once: {proc}"
+            if rank != case.victim:
+                assert_lost(proc, case.victim, case.name)
+    master = runs[3][1]
     assert master.returncode == 130 and master.err.strip().split("\n\n")[-1] == "Error on rank 1 (master): interrupted."
     assert_quiet(master)
 
 
 def test_a_rank_killed_in_a_one_command_run(run, tiny_mnist):
-    # Side by side: an RL observer dies while the agent and the other observer still play;
-    # a DDP trainer dies (world size 3: trainer 0, the master, the parameter server).
-    cases = [("rpc_rl_cartpole.py", ["--log_interval=1"], "Episode 1\t", 2, "obs2"),
-             ("ddp_rpc_hybrid.py", ["--epochs", 100000], "Training done for epoch 0", 0, "trainer0")]
-    launchers = [run(script, "--world_size=3", "--timeout", TIMEOUT, *extra) for script, extra, *_ in cases]
-    # And a rank that fails at once while the others have nothing to report yet: no grace period for them.
-    # (On a GPU host, --num_gpus=1 is tests/test_gpu.py's success case.)
+    # An RL observer dies while the agent and the other observer still play (world size 3).
+    launcher = run("rpc_rl_cartpole.py", "--world_size=3", "--timeout", TIMEOUT, "--log_interval=1")
+    # Side by side, a rank that fails at once while the others have nothing to report yet: no grace period
+    # for them. (On a GPU host, --num_gpus=1 is tests/test_gpu.py's success case.)
     no_gpu = GPUS == 0 and run("rpc_parameter_server.py", "--world_size=2", "--num_gpus=1", "--timeout", TIMEOUT,
                                *tiny_mnist_flags(tiny_mnist))
     if no_gpu:
         note_ends(no_gpu)
         failed_at = wait_for_err(no_gpu, "Error on rank 0")
-    act_when_ready(*[(launcher, started, lambda launcher=launcher, victim=victim: os.kill(
-        rank_pids(listen_port(launcher), 3)[victim], signal.SIGKILL))  # each rank wrote its own pid
-        for launcher, (script, extra, started, victim, name) in zip(launchers, cases)])
-    for launcher, (script, extra, started, victim, name) in zip(launchers, cases):
-        launcher.wait(HANG)
-        wait_gone(launcher, time.monotonic())
-        assert launcher.returncode == 1, launcher
-        assert_quiet(launcher)
-        # Every other rank says what it lost (a rank that stopped because of the loss may be named too),
-        # then the launcher says which rank ended and that it stopped the rest.
-        for rank in {0, 1, 2} - {victim}:
-            assert re.search(rf"^Error on rank {rank} \(\w+\): lost contact with [^:]*rank {victim} \({name}\)",
-                             launcher.err, re.M), launcher
-        assert launcher.err.strip().splitlines()[-1] == f"Rank {victim} ({name}) ended with SIGKILL: stopped every rank."
+    act_when_ready((launcher, "Episode 1\t", lambda: os.kill(  # each rank wrote its own pid
+        rank_pids(listen_port(launcher), 3)[2], signal.SIGKILL)))
+    launcher.wait(HANG)
+    wait_gone(launcher, time.monotonic())
+    assert launcher.returncode == 1, launcher
+    assert_quiet(launcher)
+    # Every other rank says what it lost (a rank that stopped because of the loss may be named too),
+    # then the launcher says which rank ended and that it stopped the rest.
+    for rank in (0, 1):
+        assert re.search(rf"^Error on rank {rank} \(\w+\): lost contact with [^:]*rank 2 \(obs2\)",
+                         launcher.err, re.M), launcher
+    assert launcher.err.strip().splitlines()[-1] == "Rank 2 (obs2) ended with SIGKILL: stopped every rank."
     if not no_gpu:
         return
     no_gpu.wait(HANG)
@@ -305,15 +311,10 @@ def test_one_command_runs_at_once_each_on_its_own_port(smoke_runs):
 
 def test_stopping_a_one_command_run_stops_every_rank(run):
     # Runs side by side, each stopped its own way: under way (the RL agent waits in torch for its
-    # observers' episodes), or while its ranks still load torch.
-    under_way = ["--epochs", 100000, "--timeout", TIMEOUT]
-    launchers = {
-        "Ctrl-C, twice": run("rpc_rl_cartpole.py", "--log_interval=1", "--timeout", TIMEOUT),
-        "SIGTERM to the launcher": run(SCRIPT, *under_way),
-        "SIGKILL to the launcher": run(SCRIPT, *under_way),
-        "SIGTERM while starting": run(SCRIPT, *under_way),
-        "SIGKILL while starting": run(SCRIPT, *under_way),
-    }
+    # observer's episodes), or while it still starts its ranks. RL: of the four, the quickest to load.
+    launchers = {how: run("rpc_rl_cartpole.py", "--log_interval=1", "--timeout", TIMEOUT) for how in (
+        "Ctrl-C, twice", "SIGTERM to the launcher", "SIGKILL to the launcher", "SIGTERM while starting",
+        "SIGKILL while starting")}
     stopped = {}
 
     def stop(how):
@@ -326,9 +327,8 @@ def test_stopping_a_one_command_run_stops_every_rank(run):
             os.kill(launcher.pid, signal.SIGTERM if how.startswith("SIGTERM") else signal.SIGKILL)
         stopped[how] = time.monotonic()
 
-    act_when_ready(*[(launcher, "Starting 2 ranks" if how.endswith("while starting") else "Episode 1\t"
-                      if how.startswith("Ctrl-C") else "Training epoch 0 loss", lambda how=how: stop(how))
-                     for how, launcher in launchers.items()])
+    act_when_ready(*[(launcher, "Starting 2 ranks" if how.endswith("while starting") else "Episode 1\t",
+                      lambda how=how: stop(how)) for how, launcher in launchers.items()])
     for how, launcher in launchers.items():
         launcher.wait(HANG)
         wait_gone(launcher, stopped[how])
@@ -342,7 +342,7 @@ def test_stopping_a_one_command_run_stops_every_rank(run):
             assert "Interrupted: stopping every rank.\n" in launcher.err, f"{how}: {launcher}"
     for rank, name in enumerate(["agent", "obs1"]):  # each rank got the Ctrl-C too and says so, the agent too
         assert f"Error on rank {rank} ({name}): interrupted." in launchers["Ctrl-C, twice"].err, launchers["Ctrl-C, twice"]
-    for rank, name in enumerate(["ps", "trainer"]):  # the kernel's SIGINT, sent when the launcher died
+    for rank, name in enumerate(["agent", "obs1"]):  # told by the launcher's pipe, which closed when it died
         assert (f"Error on rank {rank} ({name}): the launcher is gone (it was killed)"
                 in launchers["SIGKILL to the launcher"].err), launchers["SIGKILL to the launcher"]
     for how in ("SIGTERM to the launcher", "SIGTERM while starting"):  # an orderly stop: the ranks say nothing
@@ -387,26 +387,23 @@ def two_hosts():
 
 
 def test_two_machines_pick_the_interface_that_reaches_the_master(run, two_hosts):
-    # Here, as on many cloud images, the hostname resolves to 127.0.0.1; without the right
-    # interface Gloo tells the peer to connect to 127.0.0.1 and fails. Side by side: the RNN
-    # (server on host A, trainer on B), and DDP with trainer 1 on B and the other ranks on A,
-    # both with --master_addr only: DDP's group meets on the same port, over the same interface.
+    # Here, as on many cloud images, the hostname resolves to 127.0.0.1; without the right interface Gloo
+    # tells the peer to connect to 127.0.0.1 and fails. DDP with trainer 1 on host B and the other ranks on
+    # A, with --master_addr only: RPC, and DDP's group on the same port, each over the interface that
+    # reaches the master. (The plumbing that picks it is the same in every script: tests/test_plumbing.py.)
     (host_a, host_b), (addr_a, addr_b) = two_hosts
-    on = {0: ["ip", "netns", "exec", host_a], 1: ["ip", "netns", "exec", host_b]}
-    common = ["--master_addr", addr_a, "--epochs", 2, "--timeout", 30]
-    rnn_port, ddp_port = free_port(), free_port()
-    rnn = [run(SCRIPT, "--world_size=2", *common, "--master_port", rnn_port, f"--rank={rank}", prefix=on[rank])
-           for rank in range(2)]
-    ddp = [run("ddp_rpc_hybrid.py", "--world_size=4", *common, "--master_port", ddp_port, f"--rank={rank}",
-               prefix=on[rank == 1]) for rank in range(4)]
-    for proc in rnn + ddp:
+    on = {False: ["ip", "netns", "exec", host_a], True: ["ip", "netns", "exec", host_b]}
+    port = free_port()
+    ddp = [run("ddp_rpc_hybrid.py", "--world_size=4", "--master_addr", addr_a, "--master_port", port, "--epochs", 2,
+               "--timeout", 30, f"--rank={rank}", prefix=on[rank == 1]) for rank in range(4)]
+    for proc in ddp:
         proc.wait(HANG)
         assert proc.returncode == 0, proc
     veth = re.escape(f"v{host_a[3:9]}")
-    for proc, rank in ((rnn[0], 0), (rnn[1], 1), (ddp[0], 0), (ddp[1], 1)):
-        side = "b" if proc in (rnn[1], ddp[1]) else "a"
-        assert re.search(rf"^Rank {rank}: using network interface {veth}{side} to reach {addr_a}$", proc.out, re.M), proc
-    assert "Summary: epochs=2 " in rnn[1].out
+    for rank in range(4):
+        side = "b" if rank == 1 else "a"
+        assert re.search(rf"^Rank {rank}: using network interface {veth}{side} to reach {addr_a}$", ddp[rank].out,
+                         re.M), ddp[rank]
     for rank in (0, 1):
         assert f"trainer{rank}: DDP on cpu with gloo" in ddp[rank].out.splitlines(), ddp[rank]
     assert re.search(r"^Summary: epochs=2 .* fc_in_sync=true$", ddp[2].out, re.M), ddp[2]

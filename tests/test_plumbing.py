@@ -43,6 +43,7 @@ REPORTS = [
 ]
 REPORTER = f"""
 import os, sys
+sys.path.insert(0, {str(ROOT)!r})
 import rpc_rnn_model_parallel as script
 
 class Unprintable(Exception):
@@ -63,15 +64,16 @@ for exc in [{", ".join(report.raised for report in REPORTS)}]:
 """
 
 
-def test_the_report_survives_any_exception(fresh_interpreters):
-    proc = fresh_interpreters["reporter"]
+def test_the_report_survives_any_exception(run, tmp_path):
+    (tmp_path / "reporter.py").write_text(REPORTER)
+    proc = run(tmp_path / "reporter.py").wait()
     assert proc.returncode == 0, proc
-    assert_no_traceback(proc.stderr)
-    reports = proc.stderr.strip().split("\n\n")
+    assert_no_traceback(proc.err)
+    reports = proc.err.strip().split("\n\n")
     assert len(reports) == len(REPORTS), proc
     for report, expected in zip(reports, REPORTS):
         assert report.startswith(expected.starts) and report.endswith(f"\nexit {expected.status}"), proc
-    assert re.match(r".* at <string>:\d+\n", reports[0]), proc  # where the message-less exception was raised
+    assert re.match(r".* at .*reporter\.py:\d+\n", reports[0]), proc  # where the message-less exception was raised
     assert reports[-1] == "Error on rank 1 (trainer): interrupted.\nexit 130", proc  # no --debug hint: nothing failed
 
 
@@ -112,28 +114,9 @@ for name in sys.argv[1:]:
 """
 
 
-def finish(proc):
-    out, err = proc.communicate(timeout=120)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-
-
-@pytest.fixture(scope="module")
-def fresh_interpreters():
-    """The reporter and the import check, each in a fresh interpreter of its own,
-    started together so that their start-up shares the cores."""
-    procs = {name: subprocess.Popen([sys.executable, "-c", code, *args], cwd=ROOT, text=True,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-             for name, code, args in [("reporter", REPORTER, []), ("imports", IMPORT_ONLY, SCRIPTS)]}
-    try:
-        yield {name: finish(proc) for name, proc in procs.items()}
-    finally:
-        for proc in procs.values():
-            proc.kill()
-            proc.wait()
-
-
-def test_importing_a_script_starts_nothing(fresh_interpreters):
+def test_importing_a_script_starts_nothing():
     # A fresh interpreter: pytest has already imported every script, so an import here would run nothing.
     # One interpreter imports the four in turn and checks after each; torch then loads once, not four times.
-    proc = fresh_interpreters["imports"]
+    proc = subprocess.run([sys.executable, "-c", IMPORT_ONLY, *SCRIPTS], cwd=ROOT, text=True, capture_output=True,
+                          timeout=120)
     assert (proc.returncode, proc.stdout, proc.stderr) == (0, "", ""), f"exit {proc.returncode}\n{proc.stdout}{proc.stderr}"
