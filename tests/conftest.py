@@ -100,11 +100,11 @@ class Preloaded:
                     self.ended[pid] = status[0]
                 self.changed.notify_all()
 
-    def start(self, argv, env, cwd):
+    def start(self, argv, env, cwd, netns=None):
         """A Popen-like handle on `python argv...` forked by the server, in a session of its own."""
         (out_r, out_w), (err_r, err_w) = os.pipe(), os.pipe()
         with self.lock, self.changed:
-            socket.send_fds(self.sock, [json.dumps([argv[0], argv[1:], env, str(cwd)]).encode()], [out_w, err_w])
+            socket.send_fds(self.sock, [json.dumps([argv[0], argv[1:], env, str(cwd), netns]).encode()], [out_w, err_w])
             os.close(out_w), os.close(err_w)
             if not self.changed.wait_for(lambda: self.started, HANG):
                 pytest.fail(f"tests/preloaded.py did not start {argv}")
@@ -134,27 +134,35 @@ class Forked:
         return self.poll()
 
 
-_preloaded = []  # the one Preloaded server of this session, once a run needs it
+_preloaded = []  # the one Preloaded server of this session
+
+
+def pytest_sessionstart(session):
+    _preloaded.append(Preloaded())  # it loads torch while pytest collects the tests
+
+
+def pytest_sessionfinish(session):
+    for server in _preloaded:
+        server.stop()
 
 
 class Run:
-    """One script started as a user would, in its own session; output read as it comes. Forked from
-    tests/preloaded.py unless it needs a fresh interpreter: fresh=True, a prefix (ip netns exec), python_args
-    (torchrun) or --debug (torch's log level is set before torch loads)."""
+    """One script started as a user would, in its own session (and network namespace netns, if given);
+    output read as it comes. Forked from tests/preloaded.py unless it needs a fresh interpreter: fresh=True,
+    python_args (torchrun) or --debug (torch's log level is set before torch loads)."""
 
-    def __init__(self, script, args, cwd, env=None, prefix=(), python_args=(), fresh=False):
+    def __init__(self, script, args, cwd, env=None, netns=None, python_args=(), fresh=False):
         self.started, self.cwd = time.monotonic(), Path(cwd)
         argv, env = [str(ROOT / script), *map(str, args)], {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        if fresh or prefix or python_args or "--debug" in argv:
+        if fresh or python_args or "--debug" in argv:
+            prefix = ["ip", "netns", "exec", netns] if netns else []
             self.proc = subprocess.Popen(
                 [*prefix, sys.executable, *python_args, *argv], cwd=cwd, stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE, text=True, env=env,
                 start_new_session=True,  # so a test can signal the whole group, and kill it if it hangs
             )
         else:
-            if not _preloaded:
-                _preloaded.append(Preloaded())
-            self.proc = _preloaded[0].start(argv, env, cwd)
+            self.proc = _preloaded[0].start(argv, env, cwd, netns)
         self.pid = self.proc.pid
         self._out, self._err = [], []
         self._readers = [threading.Thread(target=lambda pipe=pipe, lines=lines: lines.extend(pipe), daemon=True)
@@ -228,23 +236,15 @@ class Run:
                 f"\nstderr:\n{self.err[-4000:]}")
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _stop_preloaded():
-    yield
-    for server in _preloaded:
-        server.stop()
-
-
 @pytest.fixture
 def run(tmp_path):
-    """run(script, *args) starts a script of the repository; prefix= puts a command
-    before python (ip netns exec ...), python_args= goes between python and the
-    script (-m torch.distributed.run ...). Every process it started is killed at
-    teardown, pass or fail."""
+    """run(script, *args) starts a script of the repository (conftest.Run); netns= runs it in that
+    network namespace, python_args= goes between python and the script (-m torch.distributed.run ...).
+    Every process it started is killed at teardown, pass or fail."""
     started = []
 
-    def start(script, *args, env=None, prefix=(), python_args=(), fresh=False):
-        proc = Run(script, args, cwd=tmp_path, env=env, prefix=prefix, python_args=python_args, fresh=fresh)
+    def start(script, *args, env=None, netns=None, python_args=(), fresh=False):
+        proc = Run(script, args, cwd=tmp_path, env=env, netns=netns, python_args=python_args, fresh=fresh)
         started.append(proc)
         return proc
 

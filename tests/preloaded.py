@@ -3,13 +3,13 @@
 Loading torch costs about 2.5 s of CPU per process, most of what the failure tests spend on two
 cores. Each run forked here is still a process of its own running the script as `__main__` with
 its own command line, environment, session and pipes (conftest.Run); only the imports are done.
-Runs that must start a fresh interpreter (the smoke runs, torchrun, --debug, another network
-namespace) do not come here. Never touches CUDA, so forking stays safe on GPU machines.
+Runs that must start a fresh interpreter (torchrun, --debug) do not come here. Never touches CUDA, so forking stays safe on GPU machines.
 
-Protocol, over the SOCK_SEQPACKET socket whose fd is the one argument: a request is JSON [script, args, env, cwd]
-with stdout and stderr as two fds; the answer is ["started", pid]; when a run ends, ["ended", pid,
+Protocol, over the SOCK_SEQPACKET socket whose fd is the one argument: a request is JSON [script, args, env, cwd,
+network namespace or null] with stdout and stderr as two fds; the answer is ["started", pid]; when a run ends, ["ended", pid,
 wait status]. The server exits when the socket closes (pytest has ended).
 """
+import ctypes
 import json
 import os
 import select
@@ -53,8 +53,12 @@ def serve(sock):
 
 def run(request, fds):
     """This child becomes `python script args...` as far as the script can tell, and exits as it would."""
-    (script, args, env, cwd), (out, err) = request, fds
+    (script, args, env, cwd, netns), (out, err) = request, fds
     os.setsid()  # as Popen(start_new_session=True)
+    if netns:  # as `ip netns exec NETNS`, which the test's second host needs
+        with open(f"/var/run/netns/{netns}") as namespace:
+            if ctypes.CDLL(None, use_errno=True).setns(namespace.fileno(), 0x40000000):  # CLONE_NEWNET
+                raise OSError(ctypes.get_errno(), f"setns {netns}")
     for signum, handler in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL),
                             (signal.SIGCHLD, signal.SIG_DFL)):
         signal.signal(signum, handler)

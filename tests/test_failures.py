@@ -392,10 +392,9 @@ def test_two_machines_pick_the_interface_that_reaches_the_master(run, two_hosts)
     # A, with --master_addr only: RPC, and DDP's group on the same port, each over the interface that
     # reaches the master. (The plumbing that picks it is the same in every script: tests/test_plumbing.py.)
     (host_a, host_b), (addr_a, addr_b) = two_hosts
-    on = {False: ["ip", "netns", "exec", host_a], True: ["ip", "netns", "exec", host_b]}
     port = free_port()
     ddp = [run("ddp_rpc_hybrid.py", "--world_size=4", "--master_addr", addr_a, "--master_port", port, "--epochs", 2,
-               "--timeout", 30, f"--rank={rank}", prefix=on[rank == 1]) for rank in range(4)]
+               "--timeout", 30, f"--rank={rank}", netns=host_b if rank == 1 else host_a) for rank in range(4)]
     for proc in ddp:
         proc.wait(HANG)
         assert proc.returncode == 0, proc
