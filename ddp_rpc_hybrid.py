@@ -540,14 +540,14 @@ def _rank_main(rank, args, states=None):
         worker.join()
     except KeyboardInterrupt as exc:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # one report: a second signal would cut it short, silently
-        # In a rank it launched: did the kernel send this because the launcher died? (Its pipe closes then.)
+        # In a rank it launched: did this come because the launcher died? (Its pipe is closed then.)
         parent = multiprocessing.parent_process()
         orphan = parent is not None and bool(multiprocessing.connection.wait([parent.sentinel], 0.5))
         _exit_with_report(rank, args, "the launcher is gone (it was killed), so this rank stops too." if orphan
                           else "interrupted.", exc, code=130, shared=True)
 
 
-_held = None  # while the launcher spawns ranks: the stop signals that came, acted on once every rank has started
+_held = None  # while the launcher starts ranks: the stop signals that came, acted on once every rank has started
 
 
 def _interrupt(signum, frame):  # Ctrl-C, or `kill`, to the launcher: stop every rank
