@@ -577,6 +577,9 @@ def _launch_all(args):
                         ("MALLOC_TRIM_THRESHOLD_", "268435456")):
         os.environ.setdefault(name, value)
     # The ranks fork from one server that imports this script, and so torch, once; it never touches CUDA.
+    # It starts in the current folder and ignores this process's sys.path: PYTHONPATH tells it where the script is.
+    here = os.path.dirname(os.path.abspath(__file__))
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
     context = mp.get_context("forkserver")
     context.set_forkserver_preload([os.path.splitext(os.path.basename(__file__))[0]])
     states, ranks, failure, code = context.Array("b", args.world_size, lock=False), [], None, 0

@@ -20,6 +20,7 @@ import threading
 import time
 import uuid
 from datetime import timedelta
+from pathlib import Path
 from typing import NamedTuple
 
 import pytest
@@ -94,6 +95,18 @@ def rank_pids(port, world_size):
     """Each rank's process id, as the rank itself wrote it in the store where the ranks met."""
     store = dist.TCPStore("localhost", port, is_master=False, timeout=timedelta(seconds=HANG))
     return [int(store.get(f"pid{rank}")) for rank in range(world_size)]
+
+
+def fork_server_loaded_torch(launcher):
+    """Whether the launcher's fork server (its child running multiprocessing.forkserver) has torch loaded."""
+    for entry in Path("/proc").iterdir():
+        try:
+            if (int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == launcher.pid
+                    and b"forkserver" in (entry / "cmdline").read_bytes()):
+                return "/libtorch_cpu.so" in (entry / "maps").read_text()
+        except (OSError, IndexError, ValueError):
+            continue
+    raise AssertionError(f"no fork server under launcher {launcher.pid}")
 
 
 def note_ends(*procs):
@@ -272,8 +285,15 @@ def test_a_rank_killed_in_a_one_command_run(run, tiny_mnist):
     if no_gpu:
         note_ends(no_gpu)
         failed_at = wait_for_err(no_gpu, "Error on rank 0")
-    act_when_ready((launcher, "Episode 1\t", lambda: os.kill(  # each rank wrote its own pid
-        rank_pids(listen_port(launcher), 3)[2], signal.SIGKILL)))
+    preloaded = []
+
+    def kill_obs2():
+        # Started from another folder (the test's), the ranks still forked from a server that had loaded torch.
+        preloaded.append(fork_server_loaded_torch(launcher))
+        os.kill(rank_pids(listen_port(launcher), 3)[2], signal.SIGKILL)  # each rank wrote its own pid
+
+    act_when_ready((launcher, "Episode 1\t", kill_obs2))
+    assert preloaded == [True], launcher
     launcher.wait(HANG)
     wait_gone(launcher, time.monotonic())
     assert launcher.returncode == 1, launcher
