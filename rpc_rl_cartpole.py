@@ -422,9 +422,10 @@ def _describe(exc):
         text = str(exc).strip()
     except Exception:
         return type(exc).__name__
-    remote = re.match(r"On WorkerInfo\(id=(\d+), name=(.*?)\):\n(.*)", text)
+    remote = re.search(r"On WorkerInfo\(id=(\d+), name=(.*?)\):\n(.*)", text)
     if remote:  # torch sends the callee's repr(exception) and its traceback: keep the first
-        return f"an RPC failed on rank {remote[1]} ({remote[2]}) with {remote[3]}"
+        return (f"an RPC that ran on rank {remote[1]} ({remote[2]}) raised {remote[3]}. Its traceback is in rank "
+                f"{remote[1]}'s output (torch prints it there).")
     if text:
         return f"{type(exc).__name__}: {text.splitlines()[0]}"
     return type(exc).__name__ + "".join(f" at {f.filename}:{f.lineno}" for f in traceback.extract_tb(exc.__traceback__)[-1:])

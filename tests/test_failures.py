@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 import rpc_rnn_model_parallel as rnn_script
-from conftest import assert_no_traceback, free_port, tiny_mnist_flags
+from conftest import ROOT, assert_no_traceback, free_port, tiny_mnist_flags
 
 SCRIPT = "rpc_rnn_model_parallel.py"
 TIMEOUT = 30  # --timeout for these runs: a killed peer is noticed at once, a busy machine is no failure
@@ -229,6 +229,25 @@ def test_no_download_leaves_no_folder_behind(tmp_path):
     with pytest.raises(ps.RankFailure, match="--no-download forbids fetching it"):
         ps.load_mnist(args, rank=1)
     assert not (tmp_path / "data").exists()
+
+
+def test_an_exception_inside_an_rpc_names_its_rank_and_cause(run, tmp_path):
+    # A bug in code that runs on another rank, as in a copy of the script someone changed: the decoder,
+    # built on the parameter server, takes one input more than the trainer's LSTM gives it.
+    buggy = tmp_path / SCRIPT
+    buggy.write_text((ROOT / SCRIPT).read_text().replace("nn.Linear(nhid, ntoken)", "nn.Linear(nhid + 1, ntoken)", 1))
+    assert "nhid + 1" in buggy.read_text()
+    common = ["--world_size=2", "--master_port", free_port(), "--timeout", TIMEOUT]
+    ps, trainer = [run(buggy, *common, f"--rank={rank}") for rank in (0, 1)]
+    assert_one_paragraph(trainer.wait(HANG), "Error on rank 1 (trainer): an RPC that ran on rank 0 (ps) raised "
+                         "RuntimeError('mat1 and mat2 shapes cannot be multiplied", "Its traceback is in rank 0's output")
+    # Where the bug is, torch prints the remote traceback; the parameter server then loses its trainer.
+    ps.wait(HANG)
+    assert ps.returncode == 1, ps
+    assert "On WorkerInfo(id=0, name=ps):\nRuntimeError('mat1 and mat2 shapes cannot be multiplied" in ps.err, ps
+    assert re.search(r"line \d+, in forward\n +return self.decoder\(", ps.err), ps
+    assert re.search(r"\n\nError on rank 0 \(ps\): lost contact with rank 1 \(trainer\)[^\n]*\n\(Run with --debug[^\n]*$",
+                     ps.err.strip()), ps
 
 
 class Kill(NamedTuple):
