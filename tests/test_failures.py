@@ -28,11 +28,12 @@ import torch
 import torch.distributed as dist
 
 import rpc_rnn_model_parallel as rnn_script
-from conftest import ROOT, assert_no_traceback, free_port, tiny_mnist_flags
+from conftest import ROOT, Run, assert_no_traceback, free_port, tiny_mnist_flags
 
 SCRIPT = "rpc_rnn_model_parallel.py"
 TIMEOUT = 30  # --timeout for these runs: a killed peer is noticed at once, a busy machine is no failure
 HANG = TIMEOUT + 30  # a test's own limit: far above what the scripts promise
+NEVER_RPC = 5  # --timeout for a rank whose peer meets, then never starts RPC: room for this process to join it
 AT_ONCE = TIMEOUT / 2  # "at once": well under --timeout, so a rank that only noticed at a timeout fails
 GPUS = torch.cuda.device_count()
 
@@ -154,46 +155,105 @@ def fake_rank(port, rank, script_args, serve=False):
     return store
 
 
-def test_failures_before_the_group_meets(run):
-    # Independent runs, started side by side to save time; each is checked on its own. Where a case
-    # needs a peer, this test process plays it on the store, so that only the rank under test starts.
+class Kill(NamedTuple):
+    script: str
+    flags: list
+    started: str  # a line that shows training under way
+    printer: int  # the rank that prints it
+    victim: int  # the rank that is stopped
+    name: str  # its name
+    signal: int = signal.SIGKILL
+
+
+@pytest.fixture(scope="module")
+def rank_runs(tmp_path_factory, tiny_mnist):
+    """The failure cases of runs started one terminal per rank (--rank), started side by side to save time
+    and all ended before any test reads them; each is checked on its own. Where a case needs a peer, this
+    test process plays it on the store, so that only the rank under test starts. A dict by case name of
+    runs, or of a run's ranks; "kills" holds (case, ranks, when the victim was stopped)."""
+    started = []
+
+    def run(script, *args):  # one intra-op thread each: these runs share two cores and only need to be under way
+        started.append(Run(script, args, cwd=tmp_path_factory.mktemp("rank"), env={"OMP_NUM_THREADS": "1"}))
+        return started[-1]
+
     never, disagree, flags, fake = free_port(), free_port(), free_port(), free_port()
-    with socket.socket() as holder:  # a plain program that listens and never answers
-        holder.bind(("127.0.0.1", 0))
-        holder.listen()
-        taken = holder.getsockname()[1]
-        rnn = ["--world_size=2", "--timeout", TIMEOUT]
-        runs = {
-            "a peer that never arrives": run(SCRIPT, "--world_size=2", "--rank=1", "--master_port", never, "--timeout", 2),
-            "a listener that never answers": run(SCRIPT, "--world_size=2", "--rank=1", "--master_port", taken, "--timeout", 3),
-            "a taken port": run(SCRIPT, *rnn, "--rank=0", "--master_port", taken),
-            "a missing interface": run(SCRIPT, *rnn, "--rank=0", "--ifname", "eth9"),
-            # Rank 0 with --epochs 2; this process joins as a rank 1 with --epochs 3.
-            "flags that differ": run(SCRIPT, *rnn, "--rank=0", "--master_port", flags, "--epochs", 2),
-            # A peer that meets on the store, then never starts RPC (as one that dies in init_rpc).
-            "a peer that never starts RPC": run(SCRIPT, "--world_size=2", "--rank=0", "--master_port", fake, "--timeout", 3),
-        }
-        # A rank 1 that says world size 3, where this process serves as a rank 0 that said 2.
-        rank0 = dist.TCPStore("localhost", disagree, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=HANG))
-        rank0.set("world_size", "2")
-        runs["world size 3"] = run("rpc_rl_cartpole.py", "--world_size=3", "--rank=1", "--master_port", disagree,
-                                   "--timeout", TIMEOUT)
-        note_ends(*runs.values())
-        joined = {}
+    holder = socket.socket()  # a plain program that listens and never answers
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    taken = holder.getsockname()[1]
+    rnn = ["--world_size=2", "--timeout", TIMEOUT]
+    runs = {
+        "ports": (never, taken),
+        "a peer that never arrives": run(SCRIPT, "--world_size=2", "--rank=1", "--master_port", never, "--timeout", 2),
+        "a listener that never answers": run(SCRIPT, "--world_size=2", "--rank=1", "--master_port", taken, "--timeout", 3),
+        "a taken port": run(SCRIPT, *rnn, "--rank=0", "--master_port", taken),
+        "a missing interface": run(SCRIPT, *rnn, "--rank=0", "--ifname", "eth9"),
+        # Rank 0 with --epochs 2; this process joins as a rank 1 with --epochs 3.
+        "flags that differ": run(SCRIPT, *rnn, "--rank=0", "--master_port", flags, "--epochs", 2),
+        # A peer that meets on the store, then never starts RPC (as one that dies in init_rpc).
+        "a peer that never starts RPC": run(SCRIPT, "--world_size=2", "--rank=0", "--master_port", fake,
+                                            "--timeout", NEVER_RPC),
+    }
+    # A rank 1 that says world size 3, where this process serves as a rank 0 that said 2.
+    rank0 = dist.TCPStore("localhost", disagree, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=HANG))
+    rank0.set("world_size", "2")
+    runs["world size 3"] = run("rpc_rl_cartpole.py", "--world_size=3", "--rank=1", "--master_port", disagree,
+                               "--timeout", TIMEOUT)
+    # A bug in code that runs on another rank, as in a copy of the script someone changed: the decoder,
+    # built on the parameter server, takes one input more than the trainer's LSTM gives it.
+    buggy = tmp_path_factory.mktemp("buggy") / SCRIPT
+    buggy.write_text((ROOT / SCRIPT).read_text().replace("nn.Linear(nhid, ntoken)", "nn.Linear(nhid + 1, ntoken)", 1))
+    assert "nhid + 1" in buggy.read_text()
+    common = ["--world_size=2", "--master_port", free_port(), "--timeout", TIMEOUT]
+    runs["an exception inside an RPC"] = [run(buggy, *common, f"--rank={rank}") for rank in (0, 1)]
+    # A rank killed mid-run: the parameter server loses its trainer (the rank that drives), the RNN trainer
+    # its parameter server (a rank that only serves, and hosts the store), DDP's master and parameter server
+    # a trainer (whose DDP group dies with it); and Ctrl-C stops the DDP master, which waits inside torch
+    # (Future.wait) for the whole training. DDP at world size 3: trainer 0, the master, the parameter server.
+    kills = [Kill("rpc_parameter_server.py", tiny_mnist_flags(tiny_mnist), "training batch", 1, 1, "trainer_1"),
+             Kill(SCRIPT, [], "Training epoch 0 loss", 1, 0, "ps"),
+             Kill("ddp_rpc_hybrid.py", [], "Training done for epoch 0", 0, 0, "trainer0"),
+             Kill("ddp_rpc_hybrid.py", [], "Training done for epoch 0", 0, 1, "master", signal.SIGINT)]
+    runs["kills"] = []
+    for case in kills:
+        world_size = 3 if case.script == "ddp_rpc_hybrid.py" else 2
+        common = [f"--world_size={world_size}", "--master_port", free_port(), "--timeout", TIMEOUT, "--epochs", 100000]
+        runs["kills"].append([case, [run(case.script, *common, *case.flags, f"--rank={rank}")
+                                     for rank in range(world_size)], None])
+    note_ends(*started)
 
-        def join(name, port, script_args):
-            joined[name] = fake_rank(port, 1, ["--world_size=2", "--rank=1", "--master_port", str(port), *script_args])
-            runs[name].met = time.monotonic()
+    def join(name, port, script_args):
+        fake_rank(port, 1, ["--world_size=2", "--rank=1", "--master_port", str(port), *script_args])
+        runs[name].met = time.monotonic()
 
+    def stop(kill):
+        case, ranks, _ = kill
+        os.kill(ranks[case.victim].pid, case.signal)
+        kill[2] = time.monotonic()
+
+    try:
         act_when_ready(  # each says it waits once it listens
             (runs["flags that differ"], "Rank 0: waiting", lambda: join(
                 "flags that differ", flags, ["--timeout", str(TIMEOUT), "--epochs", "3"])),
             (runs["a peer that never starts RPC"], "Rank 0: waiting", lambda: join(
-                "a peer that never starts RPC", fake, ["--timeout", "3"])),
+                "a peer that never starts RPC", fake, ["--timeout", str(NEVER_RPC)])),
             (runs["a listener that never answers"], "Rank 1: waiting", lambda: setattr(
-                runs["a listener that never answers"], "met", time.monotonic())))
-        for proc in runs.values():
+                runs["a listener that never answers"], "met", time.monotonic())),
+            *[(ranks[case.printer], case.started, lambda kill=kill: stop(kill))
+              for kill in runs["kills"] for case, ranks, _ in [kill]])
+        for proc in started:
             proc.wait(HANG)
+        yield runs
+    finally:
+        holder.close()
+        for proc in started:
+            proc.kill()
+            proc.proc.wait()
+
+
+def test_failures_before_the_group_meets(rank_runs):
+    runs, (never, taken) = rank_runs, rank_runs["ports"]
     assert f"Rank 1: waiting up to 2 s for all 2 processes to meet at localhost:{never}" in runs["a peer that never arrives"].out
     assert_one_paragraph(runs["a peer that never arrives"], "Error on rank 1 (trainer)", "waited 2 s for rank 0",
                          f"localhost:{never}", "no rank 0 answered")
@@ -209,8 +269,8 @@ def test_failures_before_the_group_meets(run):
     assert_one_paragraph(runs["flags that differ"], "different flags: rank 1 has --epochs 3, rank 0 --epochs 2")
     # init_rpc alone would wait for that peer for days.
     never_rpc = runs["a peer that never starts RPC"]
-    assert_one_paragraph(never_rpc, "all 2 processes met", "RPC did not start within 3 s", "firewall")
-    assert ended_at(never_rpc) - never_rpc.met < 3 + AT_ONCE, never_rpc
+    assert_one_paragraph(never_rpc, "all 2 processes met", f"RPC did not start within {NEVER_RPC} s", "firewall")
+    assert ended_at(never_rpc) - never_rpc.met < NEVER_RPC + AT_ONCE, never_rpc
     assert_one_paragraph(runs["world size 3"], "Error on rank 1 (obs1)", "its --world_size is 2 (this rank's: 3)")
 
 
@@ -231,18 +291,11 @@ def test_no_download_leaves_no_folder_behind(tmp_path):
     assert not (tmp_path / "data").exists()
 
 
-def test_an_exception_inside_an_rpc_names_its_rank_and_cause(run, tmp_path):
-    # A bug in code that runs on another rank, as in a copy of the script someone changed: the decoder,
-    # built on the parameter server, takes one input more than the trainer's LSTM gives it.
-    buggy = tmp_path / SCRIPT
-    buggy.write_text((ROOT / SCRIPT).read_text().replace("nn.Linear(nhid, ntoken)", "nn.Linear(nhid + 1, ntoken)", 1))
-    assert "nhid + 1" in buggy.read_text()
-    common = ["--world_size=2", "--master_port", free_port(), "--timeout", TIMEOUT]
-    ps, trainer = [run(buggy, *common, f"--rank={rank}") for rank in (0, 1)]
-    assert_one_paragraph(trainer.wait(HANG), "Error on rank 1 (trainer): an RPC that ran on rank 0 (ps) raised "
+def test_an_exception_inside_an_rpc_names_its_rank_and_cause(rank_runs):
+    ps, trainer = rank_runs["an exception inside an RPC"]
+    assert_one_paragraph(trainer, "Error on rank 1 (trainer): an RPC that ran on rank 0 (ps) raised "
                          "RuntimeError('mat1 and mat2 shapes cannot be multiplied", "Its traceback is in rank 0's output")
     # Where the bug is, torch prints the remote traceback; the parameter server then loses its trainer.
-    ps.wait(HANG)
     assert ps.returncode == 1, ps
     assert "On WorkerInfo(id=0, name=ps):\nRuntimeError('mat1 and mat2 shapes cannot be multiplied" in ps.err, ps
     assert re.search(r"line \d+, in forward\n +return self.decoder\(", ps.err), ps
@@ -250,48 +303,18 @@ def test_an_exception_inside_an_rpc_names_its_rank_and_cause(run, tmp_path):
                      ps.err.strip()), ps
 
 
-class Kill(NamedTuple):
-    script: str
-    flags: list
-    started: str  # a line that shows training under way
-    printer: int  # the rank that prints it
-    victim: int  # the rank that is stopped
-    name: str  # its name
-    signal: int = signal.SIGKILL
-
-
-def test_a_rank_killed_mid_run_stops_the_other_ranks(run, tiny_mnist):
-    # One terminal per rank: each survivor must stop by itself, at once. Side by side: the parameter
-    # server loses its trainer (the rank that drives), the RNN trainer its parameter server (a rank
-    # that only serves, and hosts the store), DDP's master and parameter server a trainer (whose
-    # DDP group dies with it); and Ctrl-C stops the DDP master, which waits inside torch (Future.wait)
-    # for the whole training. DDP at world size 3: trainer 0, the master, the parameter server.
-    cases = [Kill("rpc_parameter_server.py", tiny_mnist_flags(tiny_mnist), "training batch", 1, 1, "trainer_1"),
-             Kill(SCRIPT, [], "Training epoch 0 loss", 1, 0, "ps"),
-             Kill("ddp_rpc_hybrid.py", [], "Training done for epoch 0", 0, 0, "trainer0"),
-             Kill("ddp_rpc_hybrid.py", [], "Training done for epoch 0", 0, 1, "master", signal.SIGINT)]
-    runs, stopped = [], {}
-    for case in cases:
-        world_size = 3 if case.script == "ddp_rpc_hybrid.py" else 2
-        common = [f"--world_size={world_size}", "--master_port", free_port(), "--timeout", TIMEOUT, "--epochs", 100000]
-        runs.append([run(case.script, *common, *case.flags, f"--rank={rank}") for rank in range(world_size)])
-        note_ends(*runs[-1])
-
-    def stop(ranks, case):
-        os.kill(ranks[case.victim].pid, case.signal)
-        stopped[ranks[case.victim].pid] = time.monotonic()
-
-    act_when_ready(*[(ranks[case.printer], case.started, lambda ranks=ranks, case=case: stop(ranks, case))
-                     for ranks, case in zip(runs, cases)])
-    for ranks, case in zip(runs, cases):
+def test_a_rank_killed_mid_run_stops_the_other_ranks(rank_runs):
+    # One terminal per rank: each survivor must stop by itself, at once.
+    for case, ranks, stopped in rank_runs["kills"]:
+        assert stopped is not None, f"{case.script}: never under way"
         for rank, proc in enumerate(ranks):
-            proc.wait(HANG)
-            assert ended_at(proc) - stopped[ranks[case.victim].pid] < AT_ONCE, f"{case.script}: not at once: {proc}"
+            assert ended_at(proc) - stopped < AT_ONCE, f"{case.script}: not at once: {proc}"
             if rank != case.victim:
                 assert_lost(proc, case.victim, case.name)
-    master = runs[3][1]
+    master = rank_runs["kills"][3][1][1]
     assert master.returncode == 130 and master.err.strip().split("\n\n")[-1] == "Error on rank 1 (master): interrupted."
     assert_quiet(master)
+
 
 
 def test_a_rank_killed_in_a_one_command_run(run, tiny_mnist):
