@@ -15,8 +15,10 @@ import fcntl
 import ipaddress
 import json
 import multiprocessing.connection
+import multiprocessing.util
 import os
 import re
+import shutil
 import signal
 import socket
 import struct
@@ -662,6 +664,8 @@ def _launch_all(args):
             for child in children:
                 child.join(max(0.0, end - time.monotonic()))
     reserved.close()
+    # The script ends with os._exit, which skips multiprocessing's clean-up: remove its folder (the fork server's socket).
+    shutil.rmtree(multiprocessing.util.get_temp_dir(), ignore_errors=True)
     if failure:
         print(failure, file=sys.stderr)
     return code

@@ -267,8 +267,10 @@ def shared_runs(tmp_path_factory, tiny_mnist, alone_in_rpc):
     started = []
 
     def start(script, *args):
+        cwd = tmp_path_factory.mktemp(script[:-3])
+        (cwd / "tmp").mkdir()  # its own TMPDIR, for what the run leaves there
         # --timeout only bounds a failure: on a loaded machine the ranks of one run may arrive far apart.
-        started.append(Run(script, [*args, "--timeout", 120], cwd=tmp_path_factory.mktemp(script[:-3])))
+        started.append(Run(script, [*args, "--timeout", 120], cwd=cwd, env={"TMPDIR": str(cwd / "tmp")}))
         return started[-1]
 
     def ranks(script, world_size, *args, addr="localhost"):

@@ -16,6 +16,7 @@ import select
 import signal
 import socket
 import sys
+import tempfile
 
 os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"  # what each script sets before torch loads (runs with --debug start fresh)
 import gymnasium  # noqa: E402,F401  what the four scripts import, so that their own imports find it loaded
@@ -69,6 +70,7 @@ def run(request, fds):
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
+    tempfile.tempdir = None  # read TMPDIR again, as a fresh start would
     if "OMP_NUM_THREADS" in env:  # OpenMP read it when torch loaded here: apply it as a fresh start would
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     sys.argv, sys.path[0] = [script, *args], os.path.dirname(script)

@@ -362,12 +362,14 @@ def test_a_rank_killed_in_a_one_command_run(run, tiny_mnist):
 
 
 def test_one_command_runs_at_once_each_on_its_own_port(smoke_runs):
-    # The four smoke runs (conftest.py) ran at the same time: each picked a free port of its own.
+    # The four smoke runs (conftest.py) ran at the same time: each picked a free port of its own, and
+    # left no folder of multiprocessing's in its TMPDIR (torch's own cache folder is meant to stay).
     ports = []
     for proc in smoke_runs.values():
         proc.wait()
         assert proc.returncode == 0, proc
         ports.append(listen_port(proc))
+        assert list((proc.cwd / "tmp").glob("pymp-*")) == [], proc
     assert len(set(ports)) == len(ports)
 
 
