@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 import traceback
+import urllib.error
 import warnings
 from datetime import timedelta
 
@@ -305,13 +306,22 @@ def load_mnist(args, rank):
     try:
         train_set = datasets.MNIST(args.data_dir, train=True, download=args.download, transform=transform)
         test_set = datasets.MNIST(args.data_dir, train=False, transform=transform)
-    except Exception as exc:  # RuntimeError when absent, URLError/OSError when the download fails
+    except Exception as exc:
+        raw = os.path.join(os.path.abspath(args.data_dir), "MNIST", "raw")
         # torchvision lists each mirror it tried and its error: the last line says why.
         cause = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
+        if isinstance(exc, OSError) and not isinstance(exc, urllib.error.URLError):  # the disk, not the network
+            raise RankFailure(f"MNIST could not be read or written in {raw} ({exc.strerror or cause}"
+                              f"{': ' + str(exc.filename) if exc.filename else ''}). Check that folder's permissions "
+                              f"and free space, or point --data_dir at another folder.") from exc
+        if all(os.path.exists(os.path.join(raw, name)) for name in MNIST_FILES):  # all there, yet unreadable
+            raise RankFailure(f"MNIST in {raw} could not be read ({cause}): one of its four files is truncated or "
+                              f"damaged. Delete the four files and put them there again"
+                              f"{' (or let the script download them)' if args.download else ''}.") from exc
         failed = (f"could not be downloaded ({cause}): this machine may have no network access" if args.download
                   else "--no-download forbids fetching it")
         raise RankFailure(
-            f"MNIST is not in {os.path.join(os.path.abspath(args.data_dir), 'MNIST', 'raw')} and {failed}. "
+            f"MNIST is not in {raw} and {failed}. "
             f"Put the four files {', '.join(MNIST_FILES)} (optionally .gz) there or point --data_dir at the folder "
             f"that holds MNIST/{'' if args.download else ', or pass --download on a machine with network access'}."
         ) from exc

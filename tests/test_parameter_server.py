@@ -1,6 +1,8 @@
 """rpc_parameter_server.py: run as a user would, with two trainers on tiny MNIST."""
 import re
+import shutil
 
+import pytest
 import torch
 
 import rpc_parameter_server as ps
@@ -39,6 +41,24 @@ def test_missing_data_is_explained(tmp_path, capsys):
         assert name in message
     assert "--no-download forbids fetching it" in message
     assert_no_traceback(message)
+
+
+def test_unreadable_data_is_explained(tiny_mnist, tmp_path):
+    # Not a network problem: a file cut short (an interrupted copy), with or without --download, and a
+    # --data_dir that is a file.
+    shutil.copytree(tiny_mnist, tmp_path / "cut")
+    images = tmp_path / "cut" / "MNIST" / "raw" / "train-images-idx3-ubyte"
+    images.write_bytes(images.read_bytes()[:1000])
+    for download in ("--download", "--no-download"):
+        args = ps.parse_args(["--rank=1", download, "--data_dir", str(tmp_path / "cut")])
+        with pytest.raises(ps.RankFailure, match=r"^MNIST in .*/cut/MNIST/raw could not be read \(shape .*\): one of "
+                                                 r"its four files is truncated or damaged"):
+            ps.load_mnist(args, rank=1)
+    (tmp_path / "a_file").touch()
+    args = ps.parse_args(["--rank=1", "--data_dir", str(tmp_path / "a_file")])
+    with pytest.raises(ps.RankFailure, match=r"^MNIST could not be read or written in .*/a_file/MNIST/raw \(Not a "
+                                             r"directory: .*\)\. Check that folder's permissions and free space"):
+        ps.load_mnist(args, rank=1)
 
 
 @in_rpc_group
