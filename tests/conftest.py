@@ -153,7 +153,9 @@ class Run:
 
     def __init__(self, script, args, cwd, env=None, netns=None, python_args=(), fresh=False):
         self.started, self.cwd = time.monotonic(), Path(cwd)
-        argv, env = [str(ROOT / script), *map(str, args)], {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        # TMPDIR: what a run leaves there (a launcher killed outright leaves multiprocessing's folder) stays with the test.
+        argv, env = [str(ROOT / script), *map(str, args)], {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(cwd),
+                                                            **(env or {})}
         if fresh or python_args or "--debug" in argv:
             prefix = ["ip", "netns", "exec", netns] if netns else []
             self.proc = subprocess.Popen(

@@ -33,7 +33,7 @@ from conftest import ROOT, Run, assert_no_traceback, free_port, tiny_mnist_flags
 SCRIPT = "rpc_rnn_model_parallel.py"
 TIMEOUT = 30  # --timeout for these runs: a killed peer is noticed at once, a busy machine is no failure
 HANG = TIMEOUT + 30  # a test's own limit: far above what the scripts promise
-NEVER_RPC = 5  # --timeout for a rank whose peer meets, then never starts RPC: room for this process to join it
+NEVER_RPC = 3  # --timeout for a rank whose peer meets, then never starts RPC: room for this process to join it
 AT_ONCE = TIMEOUT / 2  # "at once": well under --timeout, so a rank that only noticed at a timeout fails
 GPUS = torch.cuda.device_count()
 
@@ -70,13 +70,15 @@ def assert_lost(proc, victim, name):
                      proc.err, re.M), proc
 
 
-def wait_for_err(proc, text, timeout=HANG):
-    """Block until stderr holds text."""
-    deadline = time.monotonic() + timeout
-    while text not in proc.err:
-        assert time.monotonic() < deadline and proc.proc.poll() is None, proc
-        time.sleep(0.05)
-    return time.monotonic()
+def note_err(proc, text):
+    """Note, as it happens, when stderr first holds text (in proc.err_noted_at)."""
+    def poll():
+        deadline = time.monotonic() + HANG
+        while text not in proc.err and time.monotonic() < deadline:
+            time.sleep(0.05)
+        proc.err_noted_at = time.monotonic()
+
+    threading.Thread(target=poll, daemon=True).start()
 
 
 def wait_gone(proc, since):
@@ -317,27 +319,72 @@ def test_a_rank_killed_mid_run_stops_the_other_ranks(rank_runs):
 
 
 
-def test_a_rank_killed_in_a_one_command_run(run, tiny_mnist):
+STOPS = ("Ctrl-C, twice", "SIGTERM to the launcher", "SIGKILL to the launcher", "SIGTERM while starting",
+         "SIGKILL while starting")
+
+
+@pytest.fixture(scope="module")
+def launcher_runs(tmp_path_factory, tiny_mnist):
+    """One-command runs that fail or are stopped, started side by side to save time; every process of each is
+    gone before any test reads them. A dict by case: "obs2 killed", "no GPU" (None on a GPU host, where
+    --num_gpus=1 is tests/test_gpu.py's success case) and each of STOPS; each run has .stopped (when the test
+    acted, or its rank failed)."""
+    started = []
+
+    def run(script, *args):  # one intra-op thread each: these runs share two cores and only need to be under way
+        started.append(Run(script, args, cwd=tmp_path_factory.mktemp("launcher"), env={"OMP_NUM_THREADS": "1"}))
+        return started[-1]
+
     # An RL observer dies while the agent and the other observer still play (world size 3).
-    launcher = run("rpc_rl_cartpole.py", "--world_size=3", "--timeout", TIMEOUT, "--log_interval=1")
-    # Side by side, a rank that fails at once while the others have nothing to report yet: no grace period
-    # for them. (On a GPU host, --num_gpus=1 is tests/test_gpu.py's success case.)
-    no_gpu = GPUS == 0 and run("rpc_parameter_server.py", "--world_size=2", "--num_gpus=1", "--timeout", TIMEOUT,
-                               *tiny_mnist_flags(tiny_mnist))
-    if no_gpu:
-        note_ends(no_gpu)
-        failed_at = wait_for_err(no_gpu, "Error on rank 0")
-    preloaded = []
+    runs = {"obs2 killed": run("rpc_rl_cartpole.py", "--world_size=3", "--timeout", TIMEOUT, "--log_interval=1")}
+    # A rank that fails at once while the others have nothing to report yet: no grace period for them.
+    runs["no GPU"] = GPUS == 0 and run("rpc_parameter_server.py", "--world_size=2", "--num_gpus=1", "--timeout",
+                                       TIMEOUT, *tiny_mnist_flags(tiny_mnist))
+    # Stopped each its own way: under way (the RL agent waits in torch for its observer's episodes), or while it
+    # still starts its ranks. RL: of the four, the quickest to load.
+    runs.update({how: run("rpc_rl_cartpole.py", "--log_interval=1", "--timeout", TIMEOUT) for how in STOPS})
+    note_ends(*started)
+    if runs["no GPU"]:
+        note_err(runs["no GPU"], "Error on rank 0")
+
+    def stop(how):
+        launcher = runs[how]
+        if how.startswith("Ctrl-C"):
+            os.killpg(launcher.pid, signal.SIGINT)  # the terminal sends it to the whole foreground group
+            time.sleep(0.2)
+            os.kill(launcher.pid, signal.SIGINT)  # impatient: a second Ctrl-C while the launcher stops the ranks
+        else:
+            os.kill(launcher.pid, signal.SIGTERM if how.startswith("SIGTERM") else signal.SIGKILL)
+        launcher.stopped = time.monotonic()
 
     def kill_obs2():
+        launcher = runs["obs2 killed"]
         # Started from another folder (the test's), the ranks still forked from a server that had loaded torch.
-        preloaded.append(fork_server_loaded_torch(launcher))
+        launcher.preloaded = fork_server_loaded_torch(launcher)
         os.kill(rank_pids(listen_port(launcher), 3)[2], signal.SIGKILL)  # each rank wrote its own pid
+        launcher.stopped = time.monotonic()
 
-    act_when_ready((launcher, "Episode 1\t", kill_obs2))
-    assert preloaded == [True], launcher
-    launcher.wait(HANG)
-    wait_gone(launcher, time.monotonic())
+    try:
+        act_when_ready((runs["obs2 killed"], "Episode 1\t", kill_obs2),
+                       *[(runs[how], "Starting 2 ranks" if how.endswith("while starting") else "Episode 1\t",
+                          lambda how=how: stop(how)) for how in STOPS])
+        for launcher in started:
+            launcher.wait(HANG)
+            if launcher is runs["no GPU"]:
+                while not hasattr(launcher, "err_noted_at"):  # note_err sees it within 50 ms
+                    time.sleep(0.01)
+                launcher.stopped = launcher.err_noted_at
+            wait_gone(launcher, launcher.stopped)
+        yield runs
+    finally:
+        for proc in started:
+            proc.kill()
+            proc.proc.wait()
+
+
+def test_a_rank_killed_in_a_one_command_run(launcher_runs):
+    launcher = launcher_runs["obs2 killed"]
+    assert launcher.preloaded, launcher
     assert launcher.returncode == 1, launcher
     assert_quiet(launcher)
     # Every other rank says what it lost (a rank that stopped because of the loss may be named too),
@@ -346,12 +393,11 @@ def test_a_rank_killed_in_a_one_command_run(run, tiny_mnist):
         assert re.search(rf"^Error on rank {rank} \(\w+\): lost contact with [^:]*rank 2 \(obs2\)",
                          launcher.err, re.M), launcher
     assert launcher.err.strip().splitlines()[-1] == "Rank 2 (obs2) ended with SIGKILL: stopped every rank."
+    no_gpu = launcher_runs["no GPU"]
     if not no_gpu:
         return
-    no_gpu.wait(HANG)
-    wait_gone(no_gpu, failed_at)
     # The old launcher held every rank for a 10 s grace period; well under that, with room for a loaded machine.
-    assert ended_at(no_gpu) - failed_at < 8, f"the launcher held the run for a rank with nothing to report: {no_gpu}"
+    assert ended_at(no_gpu) - no_gpu.stopped < 8, f"the launcher held the run for a rank with nothing to report: {no_gpu}"
     assert no_gpu.returncode == 1, no_gpu
     assert_quiet(no_gpu)
     assert no_gpu.err.strip().split("\n\n")[-1] == (
@@ -373,29 +419,9 @@ def test_one_command_runs_at_once_each_on_its_own_port(smoke_runs):
     assert len(set(ports)) == len(ports)
 
 
-def test_stopping_a_one_command_run_stops_every_rank(run):
-    # Runs side by side, each stopped its own way: under way (the RL agent waits in torch for its
-    # observer's episodes), or while it still starts its ranks. RL: of the four, the quickest to load.
-    launchers = {how: run("rpc_rl_cartpole.py", "--log_interval=1", "--timeout", TIMEOUT) for how in (
-        "Ctrl-C, twice", "SIGTERM to the launcher", "SIGKILL to the launcher", "SIGTERM while starting",
-        "SIGKILL while starting")}
-    stopped = {}
-
-    def stop(how):
-        launcher = launchers[how]
-        if how.startswith("Ctrl-C"):
-            os.killpg(launcher.pid, signal.SIGINT)  # the terminal sends it to the whole foreground group
-            time.sleep(0.2)
-            os.kill(launcher.pid, signal.SIGINT)  # impatient: a second Ctrl-C while the launcher stops the ranks
-        else:
-            os.kill(launcher.pid, signal.SIGTERM if how.startswith("SIGTERM") else signal.SIGKILL)
-        stopped[how] = time.monotonic()
-
-    act_when_ready(*[(launcher, "Starting 2 ranks" if how.endswith("while starting") else "Episode 1\t",
-                      lambda how=how: stop(how)) for how, launcher in launchers.items()])
+def test_stopping_a_one_command_run_stops_every_rank(launcher_runs):
+    launchers = {how: launcher_runs[how] for how in STOPS}
     for how, launcher in launchers.items():
-        launcher.wait(HANG)
-        wait_gone(launcher, stopped[how])
         if how != "SIGKILL while starting":  # a rank whose launcher died mid-spawn: Python's own EOFError traceback
             assert_quiet(launcher)
         assert "lost contact" not in launcher.err, f"{how}: {launcher}"
