@@ -568,7 +568,7 @@ def _launch_all(args):
     reserved = socket.socket()  # bound until the run ends, never listening: the OS gives its port to no one else
     if args.master_port is None:  # a free port, so that two runs never meet
         reserved.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # rank 0 can still listen on it
-        reserved.bind((args.master_addr, 0))
+        reserved.bind(("", 0))  # every address: held on one only, a listener on another could still be given it
         args.master_port = reserved.getsockname()[1]
     global _held
     _held = []  # a stop signal from here on waits until every rank has started, so that none is left behind

@@ -43,12 +43,13 @@ HANG = 300  # a test's own limit on a run: only keeps a hang from running foreve
 _reserved = []  # the sockets that hold free_port's ports for the whole session
 
 
-def free_port(host="127.0.0.1"):
-    """A free port on host (never a hard-coded one), held for the session as the scripts' launchers hold
-    theirs: bound, never listening, so the OS gives it to no one else, while a rank 0 can still listen on it."""
+def free_port():
+    """A free port (never a hard-coded one), held for the session as the scripts' launchers hold theirs: bound
+    on every address, never listening, so the OS gives it to no one else (held on one address only, it could go
+    to a listener on another, and a rank 0 could then not listen on it), while a rank 0 can still listen on it."""
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, 0))
+    sock.bind(("", 0))
     _reserved.append(sock)
     return sock.getsockname()[1]
 
@@ -276,7 +277,7 @@ def shared_runs(tmp_path_factory, tiny_mnist, alone_in_rpc):
         return started[-1]
 
     def ranks(script, world_size, *args, addr="localhost"):
-        common = [f"--world_size={world_size}", "--master_addr", addr, "--master_port", free_port(addr), *args]
+        common = [f"--world_size={world_size}", "--master_addr", addr, "--master_port", free_port(), *args]
         return [start(script, *common, f"--rank={rank}") for rank in range(world_size)]
 
     runs = {
