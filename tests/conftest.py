@@ -154,9 +154,10 @@ class Run:
 
     def __init__(self, script, args, cwd, env=None, netns=None, python_args=(), fresh=False):
         self.started, self.cwd = time.monotonic(), Path(cwd)
-        # TMPDIR: what a run leaves there (a launcher killed outright leaves multiprocessing's folder) stays with the test.
-        argv, env = [str(ROOT / script), *map(str, args)], {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(cwd),
-                                                            **(env or {})}
+        # Its own TMPDIR, cwd/tmp: what a run leaves there stays with the test, and a test can look.
+        (self.cwd / "tmp").mkdir(exist_ok=True)
+        argv, env = [str(ROOT / script), *map(str, args)], {**os.environ, "PYTHONUNBUFFERED": "1",
+                                                            "TMPDIR": str(self.cwd / "tmp"), **(env or {})}
         if fresh or python_args or "--debug" in argv:
             prefix = ["ip", "netns", "exec", netns] if netns else []
             self.proc = subprocess.Popen(
@@ -270,10 +271,8 @@ def shared_runs(tmp_path_factory, tiny_mnist, alone_in_rpc):
     started = []
 
     def start(script, *args):
-        cwd = tmp_path_factory.mktemp(script[:-3])
-        (cwd / "tmp").mkdir()  # its own TMPDIR, for what the run leaves there
         # --timeout only bounds a failure: on a loaded machine the ranks of one run may arrive far apart.
-        started.append(Run(script, [*args, "--timeout", 120], cwd=cwd, env={"TMPDIR": str(cwd / "tmp")}))
+        started.append(Run(script, [*args, "--timeout", 120], cwd=tmp_path_factory.mktemp(script[:-3])))
         return started[-1]
 
     def ranks(script, world_size, *args, addr="localhost"):

@@ -146,9 +146,9 @@ def act_when_ready(*cases):
         time.sleep(0.05)
 
 
-def fake_rank(port, rank, script_args, serve=False):
+def fake_rank(port, rank, script_args):
     """This test process as one rank of a group at the meeting: it claims `rank` and gives its flags."""
-    store = dist.TCPStore("localhost", port, is_master=serve, wait_for_workers=False, timeout=timedelta(seconds=HANG))
+    store = dist.TCPStore("localhost", port, is_master=False, timeout=timedelta(seconds=HANG))
     flags = {key: value for key, value in vars(rnn_script.parse_args(script_args)).items()
              if key not in rnn_script.RANK_OWN_FLAGS}
     store.add(f"rank{rank}", 1)
