@@ -284,19 +284,22 @@ def deadline(rank, args):
     timer.cancel()  # (if init_rpc raised, the rank is failing: fail() ends the process)
 
 
-_peers_done = set()  # on rank 0: the ranks whose work is done
+_peers_done, _all_done = set(), torch.futures.Future()  # on rank 0: the ranks whose work is done; then all are
 
 
+@rpc.functions.async_execution  # answers when every rank is done, holding no RPC thread meanwhile
 def _peer_done(rank):
     _peers_done.add(rank)
+    return _all_done
 
 
 def wait_for_peers(rank, args):
-    """Before rpc.shutdown(), which waits forever for a peer that died: every rank tells rank 0 when it is done,
-    and rank 0, until all have, asks each peer every second whether it still answers."""
+    """Before rpc.shutdown(), which waits forever for a peer that died: every rank tells rank 0 when it is done
+    and waits for its answer; rank 0 asks each peer every second whether it still answers until all are done,
+    then answers them all. So rank 0 notices a lost peer within a second, and every rank a lost rank 0."""
     names = [worker_name(peer, args.world_size) for peer in range(args.world_size)]
     if rank != 0:
-        return rpc.rpc_sync(names[0], _peer_done, args=(rank,))
+        return rpc.rpc_sync(names[0], _peer_done, args=(rank,), timeout=0)  # 0: no limit, it waits for the run
     while len(_peers_done) < args.world_size - 1:
         for peer in range(1, args.world_size):
             try:
@@ -305,6 +308,7 @@ def wait_for_peers(rank, args):
                 fail(rank, args, f"lost contact with rank {peer} ({names[peer]}): its process ended or its machine "
                                  f"is unreachable; its own output says why.")
         time.sleep(1)
+    _all_done.set_result(None)
 
 
 HINTS = {"end of file": "a peer's process ended; its own output says why", "connection reset": "a peer's process ended",
