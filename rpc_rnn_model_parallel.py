@@ -15,7 +15,7 @@ torchrun:                            torchrun --nproc_per_node=2 rpc_rnn_model_p
 import argparse
 import contextlib
 import fcntl
-import ipaddress
+import logging
 import os
 import re
 import signal
@@ -155,12 +155,8 @@ class RNNModel(nn.Module):
 
 
 def get_next_batch(generator, ntoken, batch, nindices, batches):
-    r"""
-    Yield (data, target) pairs of shape (batch, nindices): nindices sequences side
-    by side, each counting up by 1 modulo ntoken from its own seeded start, so the
-    next token is learnable; the target is the input shifted by one step.
-    Consecutive batches continue the same sequences, so the hidden state carries on.
-    """
+    """(data, target) pairs of shape (batch, nindices): sequences counting up by 1 modulo ntoken from seeded
+    starts, so the next token is learnable; batches continue the sequences, so the hidden state carries on."""
     # The tutorial draws uninitialised memory (torch.LongTensor(batch, nindices)) and a target of shape
     # (batch, ntoken) that lines up with the output only by accident: nothing there can be learned.
     start = torch.randint(0, ntoken, (nindices,), generator=generator)
@@ -273,30 +269,29 @@ def backend_options(args, **kwargs):
 
 @contextlib.contextmanager
 def deadline(rank, args):
-    """Around rpc.init_rpc, which waits 30 minutes for a missing rank, and forever on a port that never answers."""
-    timer = threading.Timer(args.timeout, fail, (rank, args, f"not all {args.world_size} ranks met at "
-                            f"{args.master_addr}:{args.master_port} within --timeout {args.timeout:g} s: start every "
-                            f"rank with the same --world_size, --master_addr and --master_port."))
+    """Around init_rpc (or init_process_group), which waits 30 minutes for a missing rank, forever on a silent port."""
+    timer = threading.Timer(args.timeout, fail, (rank, args, f"not all {args.world_size} ranks met at {args.master_addr}:"
+                            f"{args.master_port} within --timeout {args.timeout:g} s: start every rank with the same "
+                            f"--world_size, --master_addr and --master_port."))
     timer.start()
     with warnings.catch_warnings():  # init_rpc's own use of a Gloo Backend as a ProcessGroup: not ours to fix
         warnings.filterwarnings("ignore", message="You are using a Backend .* as a ProcessGroup")
         yield
-    timer.cancel()  # (if init_rpc raised, the rank is failing: fail() ends the process)
+    timer.cancel()  # (if init_rpc raised instead, fail() ends the process)
 
 
 _peers_done, _all_done = set(), torch.futures.Future()  # on rank 0: the ranks whose work is done; then all are
 
 
-@rpc.functions.async_execution  # answers when every rank is done, holding no RPC thread meanwhile
+@rpc.functions.async_execution  # answers once every rank is done, holding no RPC thread meanwhile
 def _peer_done(rank):
     _peers_done.add(rank)
     return _all_done
 
 
 def wait_for_peers(rank, args):
-    """Before rpc.shutdown(), which waits forever for a peer that died: every rank tells rank 0 when it is done
-    and waits for its answer; rank 0 asks each peer every second whether it still answers until all are done,
-    then answers them all. So rank 0 notices a lost peer within a second, and every rank a lost rank 0."""
+    """Before rpc.shutdown(), which waits forever for a peer that died: each rank tells rank 0 it is done and waits
+    for the answer, which comes when all are; meanwhile rank 0 asks every peer each second if it still answers."""
     names = [worker_name(peer, args.world_size) for peer in range(args.world_size)]
     if rank != 0:
         return rpc.rpc_sync(names[0], _peer_done, args=(rank,), timeout=0)  # 0: no limit, it waits for the run
@@ -305,24 +300,19 @@ def wait_for_peers(rank, args):
             try:
                 rpc.rpc_sync(names[peer], os.getpid)
             except RuntimeError:
-                fail(rank, args, f"lost contact with rank {peer} ({names[peer]}): its process ended or its machine "
-                                 f"is unreachable; its own output says why.")
+                fail(rank, args, f"lost contact with rank {peer} ({names[peer]}); its own output says why.")
         time.sleep(1)
     _all_done.set_result(None)
 
 
-HINTS = {"end of file": "a peer's process ended; its own output says why", "connection reset": "a peer's process ended",
-         "address already in use": "another program holds --master_port", "name or service": "check --master_addr"}
-
-
 def describe(exc):
-    """One line for an exception: for one raised inside an RPC, the rank it ran on and the remote exception."""
+    """One line for an exception; for one raised inside an RPC, the rank it ran on and the remote exception."""
     text = str(exc).strip() or type(exc).__name__
-    remote = re.search(r"On WorkerInfo\(id=(\d+), name=(.*?)\):\n(.*)", text)
-    if remote:  # torch's text holds the callee's repr(exception) and traceback (printed on the callee too)
-        return f"an RPC that ran on rank {remote[1]} ({remote[2]}) raised {remote[3]}"
-    hint = next((f" ({hint})" for words, hint in HINTS.items() if words in text.lower()), "")
-    return f"{type(exc).__name__}: {text.splitlines()[0]}{hint}"
+    remote = re.findall(r"On WorkerInfo\(id=(\d+), name=(.*?)\):\n(.*)", text)
+    if remote:  # the callee's repr(exception), then its traceback (printed on the callee too); innermost first
+        return "an RPC that ran on rank {} ({}) raised {}".format(*remote[-1])
+    lost = re.search("end of file|connection reset|closed by peer|broken pipe|no such process", text, re.I)
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" + " (a peer's process ended; its own output says why)" * bool(lost)
 
 
 def fail(rank, args, message):
@@ -331,26 +321,23 @@ def fail(rank, args, message):
 
 
 def pick_interface(rank, args):
-    """Gloo and TensorPipe announce the address the hostname resolves to, often 127.0.0.1: for a --master_addr
-    on another machine, use the interface that reaches it (SIOCGIFADDR: the address of an interface)."""
-    names = [name for _, name in socket.if_nameindex()]
-    if args.ifname is None and not ipaddress.ip_address(socket.gethostbyname(args.master_addr)).is_loopback:
+    """Gloo and TensorPipe announce the address the hostname resolves to, often 127.0.0.1: for a --master_addr on
+    another machine, use the interface that reaches it (SIOCGIFADDR reads an interface's address)."""
+    if args.ifname is None and not socket.gethostbyname(args.master_addr).startswith("127."):
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
             probe.connect((args.master_addr, args.master_port))  # UDP: finds the route, sends nothing
             ours = socket.inet_aton(probe.getsockname()[0])
-            for name in names:
+            for _, name in socket.if_nameindex():
                 with contextlib.suppress(OSError):  # an interface without an address
                     if fcntl.ioctl(probe, 0x8915, struct.pack("256s", name.encode()))[20:24] == ours:
                         args.ifname = name
         print(f"Rank {rank}: using network interface {args.ifname} to reach {args.master_addr}")
-    if args.ifname not in names + [None]:
-        raise ValueError(f"there is no network interface --ifname {args.ifname} here, only {', '.join(names)}")
     if args.ifname:
         os.environ["GLOO_SOCKET_IFNAME"] = os.environ["TP_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = args.ifname
 
 
 def run_rank(rank, args):
-    """One process: the tutorial's run_worker, and one line instead of a traceback when it fails."""
+    """One process: the tutorial's run_worker, and one line instead of a traceback if it fails."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C ends a rank at once, even inside a wait in torch
     for stream in (sys.stdout, sys.stderr):  # whole lines, even with PYTHONUNBUFFERED=1: ranks never merge
         stream.reconfigure(line_buffering=True, write_through=False)
@@ -380,8 +367,7 @@ def check_common_args(parser, args):
         args.master_addr, args.master_port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     if args.rank is not None and not 0 <= args.rank < args.world_size:
         parser.error(f"--rank must be in [0, {args.world_size}) for --world_size {args.world_size}, got {args.rank}")
-    if args.rank is not None and args.master_port is None:
-        args.master_port = 29500
+    args.master_port = args.master_port or (29500 if args.rank is not None else None)
 
 
 def main(argv=None):
@@ -393,10 +379,11 @@ def main(argv=None):
         port.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # rank 0 can still listen on it
         port.bind(("", 0))
         args.master_port = port.getsockname()[1]
-    print(f"Starting {args.world_size} ranks; rank 0 listens on {args.master_addr}:{args.master_port}", flush=True)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` stops the ranks as Ctrl-C does
-    ranks = mp.start_processes(run_rank, args=(args,), nprocs=args.world_size, join=False, daemon=True)
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # the last line below says it
+    print(f"Starting {args.world_size} ranks; rank 0 listens on {args.master_addr}:{args.master_port}", flush=True)
     try:
+        ranks = mp.start_processes(run_rank, args=(args,), nprocs=args.world_size, join=False, daemon=True)
         while not ranks.join(grace_period=3):  # when a rank fails, the others have 3 s to say why, then SIGTERM
             pass
     except mp.ProcessExitedException as exc:
