@@ -34,7 +34,6 @@ PS_EPOCHS = 2
 RL_EPISODES = 3
 RNN_EPOCHS = 4
 DDP_EPOCHS = 4
-RL_SAME_SEED_EPISODES = 10  # the two same-seed CartPole runs, with one observer (world size 2): repeatable
 
 TIMING_FIGURES = {"seconds", "ms_per_batch", "us_per_step"}  # Summary figures that vary from run to run
 HANG = 300  # a test's own limit on a run: only keeps a hang from running forever
@@ -149,16 +148,13 @@ def pytest_sessionfinish(session):
 
 class Run:
     """One script started as a user would, in its own session (and network namespace netns, if given);
-    output read as it comes. Forked from tests/preloaded.py unless it needs a fresh interpreter: fresh=True,
-    python_args (torchrun) or --debug (torch's log level is set before torch loads)."""
+    output read as it comes. Forked from tests/preloaded.py unless it needs a fresh interpreter: python_args
+    (torchrun) or --debug (torch's log level is set before torch loads)."""
 
-    def __init__(self, script, args, cwd, env=None, netns=None, python_args=(), fresh=False):
+    def __init__(self, script, args, cwd, env=None, netns=None, python_args=()):
         self.started, self.cwd = time.monotonic(), Path(cwd)
-        # Its own TMPDIR, cwd/tmp: what a run leaves there stays with the test, and a test can look.
-        (self.cwd / "tmp").mkdir(exist_ok=True)
-        argv, env = [str(ROOT / script), *map(str, args)], {**os.environ, "PYTHONUNBUFFERED": "1",
-                                                            "TMPDIR": str(self.cwd / "tmp"), **(env or {})}
-        if fresh or python_args or "--debug" in argv:
+        argv, env = [str(ROOT / script), *map(str, args)], {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        if python_args or "--debug" in argv:
             prefix = ["ip", "netns", "exec", netns] if netns else []
             self.proc = subprocess.Popen(
                 [*prefix, sys.executable, *python_args, *argv], cwd=cwd, stdout=subprocess.PIPE,
@@ -247,8 +243,8 @@ def run(tmp_path):
     Every process it started is killed at teardown, pass or fail."""
     started = []
 
-    def start(script, *args, env=None, netns=None, python_args=(), fresh=False):
-        proc = Run(script, args, cwd=tmp_path, env=env, netns=netns, python_args=python_args, fresh=fresh)
+    def start(script, *args, env=None, netns=None, python_args=()):
+        proc = Run(script, args, cwd=tmp_path, env=env, netns=netns, python_args=python_args)
         started.append(proc)
         return proc
 
@@ -260,36 +256,42 @@ def run(tmp_path):
 
 @pytest.fixture(scope="session")
 def shared_runs(tmp_path_factory, tiny_mnist, alone_in_rpc):
-    """Every script run that several tests read, started together on first use so
-    that they share the cores, and all ended before any test reads them, so that
-    their load never overlaps a later test. A dict: the four one-command smoke
-    runs by script file; "rnn ranks at own address", ranks 0 and 1 of the RNN in a
-    process each, with --master_addr this host's own non-loopback address where it
-    has one (the interface choice, and a second same-seed RNN run); "rl same seed",
-    two one-observer CartPole runs, each [agent, observer]. The RPC helper process
-    (alone_in_rpc) starts with them: its start-up shares the cores with theirs."""
+    """Every script run that several tests read, started together on first use so that they share the cores,
+    and all ended before any test reads them, so that their load never overlaps a later test. A dict: the
+    one-command run of the RNN, the parameter server and CartPole by file name, each at world size 2, with a
+    twin of the same flags run one rank per process ("ps ranks", "rl ranks", "rnn ranks at own address": the
+    RNN's with --master_addr this host's own non-loopback address where it has one); "ps 3 ranks" and "rl 3
+    ranks", one rank per process at world size 3; DDP at world size 3, one rank per process, by its file name;
+    "rnn torchrun", the RNN under torchrun. The RPC helper process (alone_in_rpc) starts with them."""
     started = []
 
-    def start(script, *args):
+    def start(script, *args, python_args=()):
         # --timeout only bounds a failure: on a loaded machine the ranks of one run may arrive far apart.
-        started.append(Run(script, [*args, "--timeout", 120], cwd=tmp_path_factory.mktemp(script[:-3])))
+        started.append(Run(script, [*args, "--timeout", 120], cwd=tmp_path_factory.mktemp(script[:-3]),
+                           python_args=python_args))
         return started[-1]
 
     def ranks(script, world_size, *args, addr="localhost"):
         common = [f"--world_size={world_size}", "--master_addr", addr, "--master_port", free_port(), *args]
         return [start(script, *common, f"--rank={rank}") for rank in range(world_size)]
 
-    runs = {
-        "rpc_parameter_server.py": start("rpc_parameter_server.py", "--world_size=3", f"--epochs={PS_EPOCHS}",
-                                         *tiny_mnist_flags(tiny_mnist), "--save_model", "model.pt"),
-        "rpc_rl_cartpole.py": start("rpc_rl_cartpole.py", "--world_size=3", f"--max_episodes={RL_EPISODES}",
-                                    "--log_interval=1"),
-        "rpc_rnn_model_parallel.py": start("rpc_rnn_model_parallel.py", f"--epochs={RNN_EPOCHS}"),
-        "ddp_rpc_hybrid.py": start("ddp_rpc_hybrid.py", f"--epochs={DDP_EPOCHS}"),
-        "rnn ranks at own address": ranks("rpc_rnn_model_parallel.py", 2, f"--epochs={RNN_EPOCHS}",
+    ps_flags = [f"--epochs={PS_EPOCHS}", *tiny_mnist_flags(tiny_mnist)]
+    rl_flags = [f"--max_episodes={RL_EPISODES}", "--log_interval=1"]
+    rnn_flags = [f"--epochs={RNN_EPOCHS}"]
+    runs = {  # one command at world size 2, and the same flags one rank per process: the same numbers
+        "rpc_parameter_server.py": start("rpc_parameter_server.py", "--world_size=2", *ps_flags),
+        "ps ranks": ranks("rpc_parameter_server.py", 2, *ps_flags),
+        "rpc_rl_cartpole.py": start("rpc_rl_cartpole.py", *rl_flags),
+        "rl ranks": ranks("rpc_rl_cartpole.py", 2, *rl_flags),
+        "rpc_rnn_model_parallel.py": start("rpc_rnn_model_parallel.py", *rnn_flags),
+        "rnn ranks at own address": ranks("rpc_rnn_model_parallel.py", 2, *rnn_flags,
                                           addr=(own_address() or (None, "localhost"))[1]),
-        "rl same seed": [ranks("rpc_rl_cartpole.py", 2, "--seed=3", f"--max_episodes={RL_SAME_SEED_EPISODES}",
-                               "--log_interval=1") for _ in range(2)],
+        # World size 3: two trainers, two observers; DDP at its smallest.
+        "ps 3 ranks": ranks("rpc_parameter_server.py", 3, *ps_flags, "--save_model", "model.pt"),
+        "rl 3 ranks": ranks("rpc_rl_cartpole.py", 3, *rl_flags),
+        "ddp_rpc_hybrid.py": ranks("ddp_rpc_hybrid.py", 3, f"--epochs={DDP_EPOCHS}"),
+        "rnn torchrun": start("rpc_rnn_model_parallel.py", "--epochs=2", python_args=[
+            "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]),
     }
     try:
         deadline = time.monotonic() + HANG
@@ -300,12 +302,6 @@ def shared_runs(tmp_path_factory, tiny_mnist, alone_in_rpc):
         for proc in started:
             proc.kill()
             proc.proc.wait()
-
-
-@pytest.fixture(scope="session")
-def smoke_runs(shared_runs):
-    """The one-command run of each script, by file name, all ended (see shared_runs)."""
-    return {f"{script}.py": shared_runs[f"{script}.py"] for script in SCRIPTS}
 
 
 def write_idx(raw_dir, split, images, labels):

@@ -18,7 +18,7 @@ import socket
 import sys
 import tempfile
 
-os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"  # what each script sets before torch loads (runs with --debug start fresh)
+os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"  # what each script sets before torch loads (runs with --debug start fresh)
 import gymnasium  # noqa: E402,F401  what the four scripts import, so that their own imports find it loaded
 import torch  # noqa: E402
 import torch.distributed.optim  # noqa: E402,F401

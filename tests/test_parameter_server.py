@@ -1,4 +1,4 @@
-"""rpc_parameter_server.py: run as a user would, with two trainers on tiny MNIST."""
+"""rpc_parameter_server.py: run as a user would on tiny MNIST, with one trainer and with two."""
 import re
 import shutil
 
@@ -6,41 +6,60 @@ import pytest
 import torch
 
 import rpc_parameter_server as ps
-from conftest import MNIST_BATCH_SIZE, MNIST_LOG_INTERVAL, MNIST_TRAIN, PS_EPOCHS, assert_no_traceback, in_rpc_group
+from conftest import (MNIST_BATCH_SIZE, MNIST_LOG_INTERVAL, MNIST_TRAIN, PS_EPOCHS, assert_no_traceback,
+                      in_rpc_group, summary)
 
 SCRIPT = "rpc_parameter_server.py"
 
 
-def test_one_command_with_two_trainers(smoke_runs):
-    # World size 3: the tutorial's code would crash here as soon as one
-    # trainer steps while the other is between forward and backward.
-    proc = smoke_runs[SCRIPT]
-    assert proc.returncode == 0, proc
-    assert_no_traceback(proc.err)
+def loss_lines(out, rank):
+    """(batch, epoch) of each of the rank's loss lines, whole and in order."""
+    return re.findall(rf"^Rank {rank} training batch (\d+) loss \d+\.\d{{4}} epoch (\d+)$", out, re.M)
+
+
+def test_one_command_and_one_rank_per_process_give_the_same_numbers(shared_runs):
+    # One trainer drives the parameter server alone: the one-command run and its twin of the same flags, one
+    # rank per process, must print the same losses and accuracy.
+    proc, ranks = shared_runs[SCRIPT], shared_runs["ps ranks"]
+    for run in (proc, *ranks):
+        assert run.returncode == 0, run
+        assert_no_traceback(run.err)
     batches = MNIST_TRAIN // MNIST_BATCH_SIZE  # per epoch
+    # A line every MNIST_LOG_INTERVAL batches of every epoch.
+    assert loss_lines(proc.out, 1) == [(str(batch), str(epoch)) for epoch in range(PS_EPOCHS)
+                                       for batch in range(0, batches, MNIST_LOG_INTERVAL)], proc.out
+    assert re.search(rf"^Summary: rank=1 batches={PS_EPOCHS * batches} seconds=[\d.]+ ms_per_batch=[\d.]+ "
+                     rf"accuracy=[\d.]+$", proc.out, re.M), proc.out
+    for line in ("PS master initializing RPC", "RPC initialized! Running parameter server...", "Training complete!",
+                 "Getting accuracy....", "RPC shutdown on parameter server."):
+        assert line in proc.out.splitlines(), proc.out
+    assert loss_lines(proc.out, 1) == loss_lines(ranks[1].out, 1)
+    assert re.findall(r"^Rank 1 training batch .*$", proc.out, re.M) == re.findall(
+        r"^Rank 1 training batch .*$", ranks[1].out, re.M)
+    assert summary(proc.out, timings=False) == summary(ranks[1].out, timings=False)
+
+
+def test_two_trainers(shared_runs):
+    # World size 3: the tutorial's code would crash here as soon as one trainer steps while the other is
+    # between forward and backward.
+    ranks = shared_runs["ps 3 ranks"]
+    for proc in ranks:
+        assert proc.returncode == 0, proc
+        assert_no_traceback(proc.err)
+    batches = MNIST_TRAIN // MNIST_BATCH_SIZE
     for rank in (1, 2):
-        # Each rank's own loss lines, whole and in order: a line every MNIST_LOG_INTERVAL batches of every epoch.
-        logged = re.findall(rf"^Rank {rank} training batch (\d+) loss \d+\.\d{{4}} epoch (\d+)$", proc.out, re.M)
-        assert logged == [(str(batch), str(epoch)) for epoch in range(PS_EPOCHS)
-                          for batch in range(0, batches, MNIST_LOG_INTERVAL)], proc.out
-        assert re.search(rf"^Summary: rank={rank} batches={PS_EPOCHS * batches} seconds=[\d.]+ ms_per_batch=[\d.]+ "
-                         rf"accuracy=[\d.]+$", proc.out, re.M), proc.out
-    assert proc.out.count("Training complete!") == 2 and proc.out.count("Summary:") == 2
-    assert len(re.findall(r"^Accuracy (0\.\d{4}|1\.0000)$", proc.out, re.M)) == 2
-    assert "RPC shutdown on parameter server." in proc.out
-    ps.Net().load_state_dict(torch.load(proc.cwd / "model.pt"))  # the saved weights fit the tutorial's Net
+        assert len(loss_lines(ranks[rank].out, rank)) == PS_EPOCHS * batches // MNIST_LOG_INTERVAL, ranks[rank]
+        assert re.search(r"^Accuracy (0\.\d{4}|1\.0000)$", ranks[rank].out, re.M), ranks[rank]
+        assert summary(ranks[rank].out)["batches"] == str(PS_EPOCHS * batches), ranks[rank]
+    ps.Net().load_state_dict(torch.load(ranks[0].cwd / "model.pt"))  # the saved weights fit the tutorial's Net
 
 
-def test_missing_data_is_explained(tmp_path, capsys):
-    # The one-command form checks the data before it starts any rank; a lone
-    # trainer (--rank) raises the same message from the same load_mnist.
-    assert ps.main(["--world_size=2", "--data_dir", str(tmp_path / "nowhere"), "--no-download"]) == 1
-    message = capsys.readouterr().err
-    assert str(tmp_path / "nowhere" / "MNIST" / "raw") in message
-    for name in ps.MNIST_FILES:
-        assert name in message
-    assert "--no-download forbids fetching it" in message
-    assert_no_traceback(message)
+def test_missing_data_is_explained(tmp_path):
+    args = ps.parse_args(["--rank=1", "--no-download", "--data_dir", str(tmp_path / "nowhere")])
+    with pytest.raises(FileNotFoundError, match=r"^MNIST is not in .*/nowhere/MNIST/raw and --no-download forbids "
+                                                r"fetching it\. Put train-images-idx3-ubyte, "):
+        ps.load_mnist(args, rank=1)
+    assert not (tmp_path / "nowhere").exists()  # --no-download leaves no folder behind
 
 
 def test_unreadable_data_is_explained(tiny_mnist, tmp_path):
@@ -51,13 +70,13 @@ def test_unreadable_data_is_explained(tiny_mnist, tmp_path):
     images.write_bytes(images.read_bytes()[:1000])
     for download in ("--download", "--no-download"):
         args = ps.parse_args(["--rank=1", download, "--data_dir", str(tmp_path / "cut")])
-        with pytest.raises(ps.RankFailure, match=r"^MNIST in .*/cut/MNIST/raw could not be read \(shape .*\): one of "
-                                                 r"its four files is truncated or damaged"):
+        with pytest.raises(ValueError, match=r"^MNIST in .*/cut/MNIST/raw could not be read \(shape .*\): one of "
+                                             r"its four files is truncated or damaged"):
             ps.load_mnist(args, rank=1)
     (tmp_path / "a_file").touch()
-    args = ps.parse_args(["--rank=1", "--data_dir", str(tmp_path / "a_file")])
-    with pytest.raises(ps.RankFailure, match=r"^MNIST could not be read or written in .*/a_file/MNIST/raw \(Not a "
-                                             r"directory: .*\)\. Check that folder's permissions and free space"):
+    args = ps.parse_args(["--rank=1", "--data_dir", str(tmp_path / "a_file")])  # --download: it tries to make the folder
+    with pytest.raises(OSError, match=r"^MNIST could not be read or written in .*/a_file/MNIST/raw \(.*Not a "
+                                      r"directory.*\): check that folder's permissions and free space"):
         ps.load_mnist(args, rank=1)
 
 

@@ -18,8 +18,8 @@ def epoch_losses(out):
     return [float(x) for x in re.findall(r"^Training epoch \d+ loss (\d+\.\d{4})$", out, re.M)]
 
 
-def test_one_command_learns(smoke_runs):
-    proc = smoke_runs[SCRIPT]
+def test_one_command_learns(shared_runs):
+    proc = shared_runs[SCRIPT]
     assert proc.returncode == 0, proc
     assert_no_traceback(proc.err)
     losses = epoch_losses(proc.out)
