@@ -32,7 +32,7 @@ MNIST_TRAIN, MNIST_TEST = 64, 32  # images in the tiny MNIST
 MNIST_BATCH_SIZE, MNIST_LOG_INTERVAL = 8, 2  # --batch_size, --log_interval of every parameter server run
 PS_EPOCHS = 2
 RL_EPISODES = 3
-RNN_EPOCHS = 4
+RNN_EPOCHS = 10  # the default: the smoke run is the README's command as written
 DDP_EPOCHS = 4
 
 TIMING_FIGURES = {"seconds", "ms_per_batch", "us_per_step"}  # Summary figures that vary from run to run
@@ -69,6 +69,13 @@ def own_address():
 def assert_no_traceback(text):
     """The scripts promise a paragraph, never a Python traceback or C++ frames."""
     assert "Traceback" not in text and "frame #" not in text, text
+
+
+def assert_succeeded(*runs):
+    """Each run exited 0 and printed no traceback."""
+    for run in runs:
+        assert run.returncode == 0, run
+        assert_no_traceback(run.err)
 
 
 def summary(out, timings=True):

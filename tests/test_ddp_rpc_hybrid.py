@@ -6,7 +6,7 @@ import re
 import torch
 
 import ddp_rpc_hybrid as hybrid
-from conftest import DDP_EPOCHS, assert_no_traceback, summary
+from conftest import DDP_EPOCHS, assert_succeeded, summary
 
 SCRIPT = "ddp_rpc_hybrid.py"
 
@@ -14,9 +14,7 @@ SCRIPT = "ddp_rpc_hybrid.py"
 def test_the_smallest_world_size(shared_runs):
     # One rank per process: trainer 0, the master, the parameter server. The master prints the Summary.
     ranks = shared_runs[SCRIPT]
-    for run in ranks:
-        assert run.returncode == 0, run
-        assert_no_traceback(run.err)
+    assert_succeeded(*ranks)
     proc = ranks[0]
     figures = summary(ranks[1].out)
     assert figures["epochs"] == str(DDP_EPOCHS), proc.out

@@ -6,8 +6,7 @@ import pytest
 import torch
 
 import rpc_parameter_server as ps
-from conftest import (MNIST_BATCH_SIZE, MNIST_LOG_INTERVAL, MNIST_TRAIN, PS_EPOCHS, assert_no_traceback,
-                      in_rpc_group, summary)
+from conftest import MNIST_BATCH_SIZE, MNIST_LOG_INTERVAL, MNIST_TRAIN, PS_EPOCHS, assert_succeeded, in_rpc_group, summary
 
 SCRIPT = "rpc_parameter_server.py"
 
@@ -21,9 +20,7 @@ def test_one_command_and_one_rank_per_process_give_the_same_numbers(shared_runs)
     # One trainer drives the parameter server alone: the one-command run and its twin of the same flags, one
     # rank per process, must print the same losses and accuracy.
     proc, ranks = shared_runs[SCRIPT], shared_runs["ps ranks"]
-    for run in (proc, *ranks):
-        assert run.returncode == 0, run
-        assert_no_traceback(run.err)
+    assert_succeeded(proc, *ranks)
     batches = MNIST_TRAIN // MNIST_BATCH_SIZE  # per epoch
     # A line every MNIST_LOG_INTERVAL batches of every epoch.
     assert loss_lines(proc.out, 1) == [(str(batch), str(epoch)) for epoch in range(PS_EPOCHS)
@@ -43,9 +40,7 @@ def test_two_trainers(shared_runs):
     # World size 3: the tutorial's code would crash here as soon as one trainer steps while the other is
     # between forward and backward.
     ranks = shared_runs["ps 3 ranks"]
-    for proc in ranks:
-        assert proc.returncode == 0, proc
-        assert_no_traceback(proc.err)
+    assert_succeeded(*ranks)
     batches = MNIST_TRAIN // MNIST_BATCH_SIZE
     for rank in (1, 2):
         assert len(loss_lines(ranks[rank].out, rank)) == PS_EPOCHS * batches // MNIST_LOG_INTERVAL, ranks[rank]

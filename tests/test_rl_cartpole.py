@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import rpc_rl_cartpole as rl
-from conftest import RL_EPISODES, assert_no_traceback, in_rpc_group, summary
+from conftest import RL_EPISODES, assert_succeeded, in_rpc_group, summary
 
 SCRIPT = "rpc_rl_cartpole.py"
 
@@ -19,9 +19,7 @@ def test_one_command_and_one_rank_per_process_play_the_same_episodes(shared_runs
     # One observer: the agent alone decides, so the one-command run and its twin of the same flags, one rank
     # per process, must play the same episodes.
     proc, ranks = shared_runs[SCRIPT], shared_runs["rl ranks"]
-    for run in (proc, *ranks):
-        assert run.returncode == 0, run
-        assert_no_traceback(run.err)
+    assert_succeeded(proc, *ranks)
     assert re.search(rf"^This will run until reward threshold of 475\.0 is reached \(or for at most {RL_EPISODES} "
                      rf"episodes\)\.$", proc.out, re.M), proc.out
     assert [int(n) for n, *_ in episodes(proc.out)] == list(range(1, RL_EPISODES + 1)), proc.out
@@ -34,9 +32,7 @@ def test_one_command_and_one_rank_per_process_play_the_same_episodes(shared_runs
 
 def test_two_observers(shared_runs):
     ranks = shared_runs["rl 3 ranks"]
-    for proc in ranks:
-        assert proc.returncode == 0, proc
-        assert_no_traceback(proc.err)
+    assert_succeeded(*ranks)
     assert [int(n) for n, *_ in episodes(ranks[0].out)] == list(range(1, RL_EPISODES + 1)), ranks[0]
     assert int(summary(ranks[0].out)["steps"]) >= 8 * 2 * RL_EPISODES  # two observers
 

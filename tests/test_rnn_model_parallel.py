@@ -9,7 +9,7 @@ import torch.nn as nn
 from torch.distributed.rpc import PyRRef  # RRefs that come back over RPC are PyRRef, the base of RRef
 
 import rpc_rnn_model_parallel as rnn
-from conftest import RNN_EPOCHS, assert_no_traceback, in_rpc_group, summary
+from conftest import RNN_EPOCHS, assert_succeeded, in_rpc_group, summary
 
 SCRIPT = "rpc_rnn_model_parallel.py"
 
@@ -20,8 +20,7 @@ def epoch_losses(out):
 
 def test_one_command_learns(shared_runs):
     proc = shared_runs[SCRIPT]
-    assert proc.returncode == 0, proc
-    assert_no_traceback(proc.err)
+    assert_succeeded(proc)
     losses = epoch_losses(proc.out)
     assert len(losses) == RNN_EPOCHS and losses[-1] < losses[0] - 0.1, f"the loss should fall: {proc.out}"
     assert summary(proc.out, timings=False) == {"epochs": str(RNN_EPOCHS), "final_loss": f"{losses[-1]:.4f}"}, proc
@@ -31,8 +30,7 @@ def test_same_seed_same_numbers(shared_runs):
     # The one-command smoke run and a run of one rank per process, both of the default --seed:
     # the trainer alone drives training, so every loss must match exactly.
     trainers = [shared_runs[SCRIPT], shared_runs["rnn ranks at own address"][1]]
-    for proc in [*trainers, shared_runs["rnn ranks at own address"][0]]:
-        assert proc.returncode == 0, proc
+    assert_succeeded(*trainers, shared_runs["rnn ranks at own address"][0])
     losses, figures = zip(*[(epoch_losses(proc.out), summary(proc.out, timings=False)) for proc in trainers])
     assert len(losses[0]) == RNN_EPOCHS and losses[0] == losses[1], losses
     assert figures[0] == figures[1], figures
