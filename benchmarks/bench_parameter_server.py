@@ -1,199 +1,196 @@
-"""Parameter server over RPC vs. the same Net trained in one process.
+"""Parameter server over RPC, run as the README tells a user, against the plain loop in one process.
 
-Both sides train one epoch on the same MNIST images in the same order (batch
-32, SGD lr 0.03, the script's seeds), on CPU, in this one invocation, in
---rounds alternating rounds of (single process, RPC). The RPC side is the
-script's own code at world size 2 in two spawned processes: rank 0 is
-rpc_parameter_server.run_rank(0), rank 1 run_rank(1) with a copy of
-run_training_loop that has a clock between its steps. Prints every round, then the machine, the median
-milliseconds per batch of each phase (data loading, forward, backward,
-optimizer step, the rest) for both sides, plus the parameter server's own
-forward and backward compute timed inside it (server_forward within forward,
-server_backward within backward: the rest of those phases is the round trip),
-and the medians, ranges and ratio of the whole, all as key=value pairs.
+    python benchmarks/bench_parameter_server.py --data_dir DIR --rounds 3
 
-    python benchmarks/bench_parameter_server.py --data_dir PATH [--rounds 3] [--transports default] [--rank_env none]
+--data_dir is an MNIST root (it holds MNIST/raw/ with the four IDX files), as the script takes it. Each round
+runs, one after the other:
 
---data_dir is an MNIST root as the script takes it (default: the script's
-./data, downloaded when missing); the first 8,000 training and 2,000 test
-images are used unless --train_samples/--test_samples say otherwise.
+1. the single process: this file's plain loop, in a fresh process with torch's defaults. It is the loop a user
+   would write: the tutorial's Net (imported from the script), the first --train_samples MNIST training images
+   in the script's shuffled order (rank 1's seeded generator), batch 32, SGD lr 0.03, one epoch, then accuracy
+   on the first --test_samples test images. It runs on its own too, and prints the same line:
+
+       python benchmarks/bench_parameter_server.py --single --data_dir DIR [--train_samples 8000 --test_samples 2000]
+
+2. RPC: rpc_parameter_server.py at world size 2, one process per rank as a user runs it in two terminals,
+
+       python rpc_parameter_server.py --world_size=2 --rank=0 --master_port=PORT --data_dir=DIR ...
+       python rpc_parameter_server.py --world_size=2 --rank=1 --master_port=PORT --data_dir=DIR ...
+
+   on a free port, with the environment of the shell this runs in and nothing added. Each rank runs through
+   benchmarks/timed_rank.py, which calls the script's own main() with those arguments and adds clocks: the
+   trainer's phases and the server's own forward and backward compute. ms per batch and accuracy are the
+   script's own Summary line.
+
+Prints every round, then the machine, the median ms per batch of each phase of both sides (load, forward,
+backward, step; RPC also other: the once-per-run gradient check and releasing each autograd context) with the
+server's own compute (server_forward within forward, server_backward within backward: the rest is the round
+trip), and the medians, ranges and ratio, all as key=value pairs. Exit status 1 if a run fails.
+
+--transports default runs the RPC side with TensorPipe's default transports (shared memory added, which
+busy-polls a core per process) instead of the script's TCP only: not what a user runs, for the README's
+figures of what TCP costs. Defaults: --rounds 3, --train_samples 8000, --test_samples 2000, --seed 1.
 """
 import argparse
 import os
+import signal
 import sys
 import time
-from statistics import median
 
-import torch
-import torch.distributed.autograd as dist_autograd
-import torch.nn.functional as F
-from torch import optim
-from torch.distributed.optim import DistributedOptimizer
+from common import (Failed, fields, held_port, machine, median, medians, python, run_together, same, shown,
+                    spread)
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(HERE), HERE]
-import rpc_parameter_server as ps  # noqa: E402
-from common import (add_rank_env_flag, PhaseClock, captured_stdout, free_port, machine, phase_medians,  # noqa: E402
-                    run_rpc_round, same, spread)
-
-PHASES = ("load", "forward", "backward", "step", "other")
-SERVER_PHASES = ("server_forward", "server_backward")  # inside rpc_forward and rpc_backward, timed on the server
-TRAINER_RANK = 1  # its data order is the one both sides train on
+SINGLE_PHASES = ("load", "forward", "backward", "step")
+RPC_PHASES = SINGLE_PHASES + ("other",)
+TRAINER_RANK = 1  # the script's only trainer at world size 2; its shuffled order is the one both sides use
 
 
-def figures(clock, batches, accuracy):
-    ms = {phase: 1000 * seconds / batches for phase, seconds in clock.totals.items()}
-    return {"ms_per_batch": sum(ms.values()), "phases": ms, "batches": batches, "accuracy": accuracy}
+def single(args):
+    """The plain single-process loop; prints one `Single:` line of key=value pairs."""
+    import torch
+    import torch.nn.functional as F
+    from torch import optim
+    from torchvision import datasets, transforms
 
+    from rpc_parameter_server import Net
 
-def accuracies(rounds):
-    return same([f"{r['accuracy']:.4f}" for r in rounds])
+    transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize((0.1307,), (0.3081,))])
+    train_set = datasets.MNIST(args.data_dir, train=True, download=True, transform=transform)
+    test_set = datasets.MNIST(args.data_dir, train=False, transform=transform)
+    train_set = torch.utils.data.Subset(train_set, range(min(args.train_samples or len(train_set), len(train_set))))
+    test_set = torch.utils.data.Subset(test_set, range(min(args.test_samples or len(test_set), len(test_set))))
+    generator = torch.Generator().manual_seed(args.seed + TRAINER_RANK)  # the script's trainer shuffles so
+    train_loader = torch.utils.data.DataLoader(train_set, batch_size=32, shuffle=True, generator=generator)
+    test_loader = torch.utils.data.DataLoader(test_set, batch_size=32)
 
-
-def single_round(args):
-    """The script's Net, data and SGD in this process, with no RPC in between."""
-    torch.manual_seed(args.seed)  # what rank 0, which builds the Net, seeds
-    with captured_stdout():  # Net's "Putting ... on cpu" lines
-        model = ps.Net(num_gpus=args.num_gpus)
-    train_loader, test_loader = ps.load_mnist(args, rank=TRAINER_RANK)
-    opt = optim.SGD(model.parameters(), lr=args.lr)
+    torch.manual_seed(args.seed)  # what the script's rank 0, which builds the Net, seeds
+    model = Net()
+    opt = optim.SGD(model.parameters(), lr=0.03)
     model.train()
-    clock = PhaseClock()
+    totals = dict.fromkeys(SINGLE_PHASES, 0.0)
+    start = last = time.perf_counter()
     for data, target in train_loader:
-        clock.mark("load")
+        now = time.perf_counter()
+        totals["load"] += now - last
+        opt.zero_grad()
         loss = F.nll_loss(model(data), target)
-        clock.mark("forward")
+        last, now = now, time.perf_counter()
+        totals["forward"] += now - last
         loss.backward()
-        clock.mark("backward")
+        last, now = now, time.perf_counter()
+        totals["backward"] += now - last
         opt.step()
-        opt.zero_grad()  # after the step, not before the forward pass: optimizer work, timed with it
-        clock.mark("step")
-    with captured_stdout():  # get_accuracy's own "Accuracy" line
-        accuracy = ps.get_accuracy(test_loader, model)
-    return figures(clock, len(train_loader), accuracy)
+        last = time.perf_counter()
+        totals["step"] += last - now
+    seconds = time.perf_counter() - start
+    totals["load"] += seconds - sum(totals.values())  # the last, empty fetch
+
+    model.eval()
+    correct = 0
+    with torch.no_grad():
+        for data, target in test_loader:
+            correct += model(data).argmax(dim=1).eq(target).sum().item()
+    batches = len(train_loader)
+    print(f"Single: batches={batches} seconds={seconds:.3f} ms_per_batch={1000 * seconds / batches:.2f} "
+          + " ".join(f"{phase}_ms={1000 * total / batches:.2f}" for phase, total in totals.items())
+          + f" accuracy={correct / len(test_set):.4f} torch={torch.__version__} "
+            f"intra_op_threads={torch.get_num_threads()}", flush=True)
 
 
-def time_the_server():
-    """Clocks inside the parameter server: its forward passes, and its part of each distributed backward pass
-    (from the gradient of its output arriving to that of conv1's weight, the last one it computes)."""
-    totals = {"forward": 0.0, "backward": 0.0}
-    started = []
-    forward, net_init = ps.ParameterServer.forward, ps.Net.__init__
-
-    def timed_forward(self, inp, training=True):
-        begin = time.perf_counter()
-        out = forward(self, inp, training)
-        if training:
-            totals["forward"] += time.perf_counter() - begin
-            out.register_hook(lambda grad: started.append(time.perf_counter()))
-        return out
-
-    def backward_ends(grad):
-        totals["backward"] += time.perf_counter() - started.pop()
-
-    def hook_conv1_weight(module, inputs):  # functional_call has swapped in this pass's clone of the weight
-        if torch.is_grad_enabled():
-            module.weight.register_hook(backward_ends)
-
-    def timed_net_init(self, *args, **kwargs):
-        net_init(self, *args, **kwargs)
-        self.conv1.register_forward_pre_hook(hook_conv1_weight)
-
-    ps.ParameterServer.forward, ps.Net.__init__ = timed_forward, timed_net_init
-    return totals
+def single_round(bench):
+    command = python("benchmarks/bench_parameter_server.py", "--single", "--data_dir", bench.data_dir,
+                     "--train_samples", bench.train_samples, "--test_samples", bench.test_samples,
+                     "--seed", bench.seed)
+    got = fields(run_together([command], bench.limit)[0], "Single:")
+    result = {phase: float(got[f"{phase}_ms"]) for phase in SINGLE_PHASES}
+    result.update(ms_per_batch=float(got["ms_per_batch"]), accuracy=got["accuracy"], batches=int(got["batches"]),
+                  torch=got["torch"], intra_op_threads=got["intra_op_threads"])
+    return result, command
 
 
-def rpc_rank(rank, args):
-    """One process of the RPC side: rank 0 the script's parameter server, rank 1 the timed trainer."""
-    with captured_stdout():  # the script's progress lines; errors still reach stderr
-        if hasattr(ps, "_set_rendezvous_env"):  # plumbing where _init_rpc does not set MASTER_ADDR/PORT itself
-            ps._set_rendezvous_env(rank, args)
-        if args.transports != "script":
-            ps.RPC_TRANSPORTS = None if args.transports == "default" else args.transports.split(",")
-        if rank == 0:
-            totals = time_the_server()
-            ps.run_rank(0, args)
-            return {"server": totals}
-        result = {}
-
-        def run_training_loop(rank, num_gpus, train_loader, test_loader, *rest):  # the script's, timed
-            result["rpc"] = timed_training_loop(args, train_loader, test_loader)
-
-        ps.run_training_loop = run_training_loop
-        ps.run_rank(rank, args)  # everything else as the script sets a trainer up
-    return result
-
-
-def timed_training_loop(args, train_loader, test_loader):
-    """The script's run_training_loop for one epoch, with a clock between its steps and no loss lines."""
-    net = ps.TrainerNet(num_gpus=args.num_gpus)
-    opt = DistributedOptimizer(optim.SGD, net.get_global_param_rrefs(), lr=args.lr)
-    clock = PhaseClock()
-    for i, (data, target) in enumerate(train_loader):
-        clock.mark("load")
-        with dist_autograd.context() as cid:
-            loss = F.nll_loss(net(data), target)
-            clock.mark("forward")
-            dist_autograd.backward(cid, [loss])
-            clock.mark("backward")
-            if i == 0:  # the script's one check that gradients reached the server
-                assert ps.remote_method(ps.ParameterServer.get_dist_gradients, net.param_server_rref, cid) != {}
-                clock.mark("other")
-            opt.step(cid)
-            clock.mark("step")
-        clock.mark("other")  # leaving the context releases it on the server as well
-    with captured_stdout():
-        accuracy = ps.get_accuracy(test_loader, net)
-    return figures(clock, len(train_loader), accuracy)
+def rpc_round(bench):
+    with held_port() as port:
+        flags = ["--world_size=2", f"--master_port={port}", f"--data_dir={bench.data_dir}", f"--seed={bench.seed}",
+                 f"--train_samples={bench.train_samples}", f"--test_samples={bench.test_samples}"]
+        commands = [python("benchmarks/timed_rank.py", *bench.wrapper_flags, "rpc_parameter_server.py",
+                           f"--rank={rank}", *flags) for rank in (0, 1)]
+        server_out, trainer_out = run_together(commands, bench.limit)
+    summary, trainer = fields(trainer_out, "Summary:"), fields(trainer_out, "Timed:")
+    server = fields(server_out, "Timed:")
+    batches = int(summary["batches"])
+    if int(server["forwards"]) != batches or int(server["backwards"]) != batches:
+        raise Failed(f"the server timed {server['forwards']} forward and {server['backwards']} backward passes "
+                     f"for {batches} batches")
+    result = {phase: 1000 * float(trainer.get(f"{phase}_s", 0)) / batches for phase in RPC_PHASES}
+    result.update(ms_per_batch=float(summary["ms_per_batch"]), summary_ms=1000 * float(summary["seconds"]) / batches,
+                  accuracy=summary["accuracy"], batches=batches,
+                  server_forward=1000 * float(server["forward_s"]) / batches,
+                  server_backward=1000 * float(server["backward_s"]) / batches)
+    result["phase_sum"] = sum(result[phase] for phase in RPC_PHASES)
+    return result, commands
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data_dir", default=None, help="an MNIST root, as the script's --data_dir (default: its)")
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser.add_argument("--data_dir", default="./data", help="an MNIST root (holds MNIST/raw/), as the script's")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of (single process, RPC)")
-    parser.add_argument("--train_samples", type=int, default=8000, help="first N training images")
-    parser.add_argument("--test_samples", type=int, default=2000, help="first N test images")
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--transports", default="script",
-                        help="TensorPipe transports of the RPC side: script (the script's own), default (TensorPipe's), or e.g. uv")
-    add_rank_env_flag(parser)
-    bench = parser.parse_args()
-    if bench.rounds < 1:
-        parser.error(f"--rounds must be at least 1, got {bench.rounds}")
+    parser.add_argument("--train_samples", type=int, default=8000, help="first N training images (0: all)")
+    parser.add_argument("--test_samples", type=int, default=2000, help="first N test images (0: all)")
+    parser.add_argument("--seed", type=int, default=1, help="the script's --seed")
+    parser.add_argument("--transports", choices=("script", "default"), default="script",
+                        help="RPC side: the script's TCP only, or TensorPipe's defaults (not what a user runs)")
+    parser.add_argument("--limit", type=float, default=600, help="seconds one side of a round may take")
+    parser.add_argument("--single", action="store_true", help="run only the single-process loop, once, and print it")
+    bench = parser.parse_args(argv)
+    if bench.rounds < 1 or bench.train_samples < 0 or bench.test_samples < 0:
+        parser.error("--rounds must be at least 1, and the sample counts 0 (all) or more")
+    bench.data_dir = os.path.abspath(bench.data_dir)  # the same folder for every process, wherever it runs
+    if bench.single:
+        return single(bench)
+    bench.wrapper_flags = ["--transports=default"] * (bench.transports == "default")
 
-    flags = ["--world_size", "2", "--seed", str(bench.seed),
-             "--train_samples", str(bench.train_samples), "--test_samples", str(bench.test_samples)]
-    if bench.data_dir:
-        flags += ["--data_dir", bench.data_dir]
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` ends the round's processes as Ctrl-C does
     singles, rpcs = [], []
     try:
-        for n in range(1, bench.rounds + 1):  # alternate, so that a busy spell on the machine hits both sides
-            singles.append(single_round(ps.parse_args(flags)))
-            rpc_args = ps.parse_args(flags + ["--master_port", str(free_port())])
-            rpc_args.transports = bench.transports
-            sides = run_rpc_round(rpc_rank, rpc_args, rank_env=bench.rank_env)
-            for phase, seconds in sides["server"].items():  # inside the server, a part of forward and backward
-                sides["rpc"]["phases"][f"server_{phase}"] = 1000 * seconds / sides["rpc"]["batches"]
-            rpcs.append(sides["rpc"])
-            single, rpc = singles[-1]["ms_per_batch"], rpcs[-1]["ms_per_batch"]
-            print(f"round={n} single_ms_per_batch={single:.1f} rpc_ms_per_batch={rpc:.1f} ratio={rpc / single:.2f} "
-                  f"single_accuracy={singles[-1]['accuracy']:.4f} rpc_accuracy={rpcs[-1]['accuracy']:.4f}", flush=True)
-    except ps.RankFailure as exc:
-        sys.exit(f"Error: {exc}")
-    except torch.multiprocessing.ProcessException as exc:
-        sys.exit(f"The RPC side failed in round {len(rpcs) + 1}: {exc}")
+        for n in range(1, bench.rounds + 1):  # alternating, so that a busy spell on the machine hits both sides
+            result, command = single_round(bench)
+            singles.append(result)
+            result, commands = rpc_round(bench)
+            rpcs.append(result)
+            if n == 1:
+                print(f"# single: {shown(command)}", f"# rpc rank 0: {shown(commands[0])}",
+                      f"# rpc rank 1: {shown(commands[1])}", sep="\n")
+            single_ms, rpc_ms = singles[-1]["ms_per_batch"], rpcs[-1]["ms_per_batch"]
+            print(f"round={n} single_ms_per_batch={single_ms:.1f} rpc_ms_per_batch={rpc_ms:.1f} "
+                  f"ratio={rpc_ms / single_ms:.2f} single_accuracy={singles[-1]['accuracy']} "
+                  f"rpc_accuracy={rpcs[-1]['accuracy']} rpc_phase_sum_ms={rpcs[-1]['phase_sum']:.1f} "
+                  f"rpc_summary_ms={rpcs[-1]['summary_ms']:.1f}", flush=True)
+    except Failed as exc:
+        sys.exit(f"Round {len(rpcs) + 1} failed: {exc}")
+    except KeyboardInterrupt:  # every process of the round is gone (run_together)
+        sys.exit(f"Interrupted in round {len(rpcs) + 1}.")
 
-    single_ms = [r["ms_per_batch"] for r in singles]
-    rpc_ms = [r["ms_per_batch"] for r in rpcs]
-    print(machine())
-    print("phase_ms_per_batch=median", phase_medians("single", [r["phases"] for r in singles], PHASES, 1),
-          phase_medians("rpc", [r["phases"] for r in rpcs], PHASES + SERVER_PHASES, 1))
-    print(f"bench=parameter_server world_size=2 rounds={bench.rounds} batches={singles[0]['batches']} "
-          f"transports={bench.transports} rank_env={bench.rank_env} "
-          f"seed={bench.seed} {spread('single_ms_per_batch', single_ms, 1)} {spread('rpc_ms_per_batch', rpc_ms, 1)} "
-          f"ratio={median(rpc_ms) / median(single_ms):.2f} "
-          f"single_accuracy={accuracies(singles)} rpc_accuracy={accuracies(rpcs)}", flush=True)
+    single_ms, rpc_ms = [r["ms_per_batch"] for r in singles], [r["ms_per_batch"] for r in rpcs]
+    print(machine(singles[0]["torch"]), f"single_intra_op_threads={singles[0]['intra_op_threads']}")
+    print("phase_ms_per_batch=median", medians("single", singles, SINGLE_PHASES, 1),
+          medians("rpc", rpcs, RPC_PHASES, 1), medians("rpc", rpcs, ("phase_sum", "summary_ms"), 1))
+    print("server_ms_per_batch=median", medians("rpc", rpcs, ("server_forward", "server_backward"), 1),
+          "rpc_forward_outside_server={:.1f} rpc_backward_outside_server={:.1f}".format(
+              median([r["forward"] - r["server_forward"] for r in rpcs]),
+              median([r["backward"] - r["server_backward"] for r in rpcs])))
+    worst = max(abs(r["phase_sum"] / r["summary_ms"] - 1) for r in rpcs)
+    print(f"bench=parameter_server world_size=2 rounds={bench.rounds} batches={same([r['batches'] for r in rpcs])} "
+          f"train_samples={bench.train_samples} test_samples={bench.test_samples} seed={bench.seed} "
+          f"transports={bench.transports} "
+          f"{spread('single_ms_per_batch', single_ms, 1)} {spread('rpc_ms_per_batch', rpc_ms, 1)} "
+          f"ratio={median(rpc_ms) / median(single_ms):.2f} single_accuracy={same([r['accuracy'] for r in singles])} "
+          f"rpc_accuracy={same([r['accuracy'] for r in rpcs])} rpc_phases_vs_summary_worst={100 * worst:.1f}%",
+          flush=True)
+    if worst > 0.05:
+        print(f"warning: the trainer's phases differ from its Summary by {100 * worst:.1f}% in a round",
+              file=sys.stderr)
 
 
 if __name__ == "__main__":
+    sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the scripts, for --single
     main()

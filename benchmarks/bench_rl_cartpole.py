@@ -1,194 +1,213 @@
-"""CartPole agent and observer over RPC vs. the same agent and environment in one process.
+"""CartPole agent and one observer over RPC, run as the README tells a user, against the plain loop in one process.
 
-Both sides play --episodes episodes of CartPole-v1 with the script's Agent
-(Policy, select_action, finish_episode) and the same seeds, so they take the
-same steps, in this one invocation, in --rounds alternating rounds of (single
-process, RPC). The RPC side is the script's own run at world size 2 (one
-agent, one observer) in two spawned processes, rpc_rl_cartpole.run_rank for
-each rank; only its observer's environment is timed (TimedObserver). Prints
-every round, then the machine, the median microseconds per environment step
-of each phase (select_action, for RPC the round trip the observer waits;
-env.step; env.reset; finish, the per-episode report and update, for RPC
-everything the observer does not see) for both sides, plus the agent's own
-select_action timed inside it (agent_select_action, a part of the observer's
-select_action: the rest is the round trip), and the medians,
-ranges and ratio of the whole, all as key=value pairs.
+    python benchmarks/bench_rl_cartpole.py --rounds 3 [--episodes 150]
 
-    python benchmarks/bench_rl_cartpole.py [--episodes 50] [--rounds 3] [--transports default] [--rank_env none]
+Each round runs, one after the other:
+
+1. the single process: this file's plain loop, in a fresh process with torch's defaults. It is the script's
+   Agent logic without RPC, as a user would write it: the script's Policy, Adam lr 1e-2, one CartPole-v1
+   environment seeded as the script's observer (rank 1), torch seeded as its agent (rank 0); per step select an
+   action (the policy, a Categorical sample, its log-prob kept) and step the environment; per episode the
+   script's REINFORCE update; --episodes episodes, or fewer if solved. It runs on its own too, and prints the
+   same line:
+
+       python benchmarks/bench_rl_cartpole.py --single [--episodes 150]
+
+2. the floor: benchmarks/rpc_ping.py, two fresh processes set up as the script's agent and observer, timing a
+   no-op rpc_sync round trip on the scripts' transport (TensorPipe over TCP, _transports=["uv"]). One step over
+   RPC cannot cost less than one step in one process plus one such round trip.
+
+3. RPC: rpc_rl_cartpole.py at world size 2 (one agent, one observer), one process per rank as a user runs it
+   in two terminals,
+
+       python rpc_rl_cartpole.py --world_size=2 --rank=0 --master_port=PORT --max_episodes=150
+       python rpc_rl_cartpole.py --world_size=2 --rank=1 --master_port=PORT --max_episodes=150
+
+   on a free port, with the environment of the shell this runs in and nothing added. Each rank runs through
+   benchmarks/timed_rank.py, which calls the script's own main() with those arguments and adds clocks: the
+   observer's phases and the agent's own select_action and finish_episode. µs per step is the script's own
+   Summary line (us_per_step).
+
+Prints every round, then the machine, the median µs per step of each phase of both sides (reset, select_action,
+env_step, and for one process finish: the end-of-episode update; for RPC report, the observer's report_reward
+call, and rest, what the observer does not see: the agent's update and starting each episode) with the agent's
+own select_action (within the observer's select_action: the rest is the round trip) and finish_episode (within
+rest), and the medians, ranges and ratios to one process and to the floor, all as key=value pairs. Exit status 1
+if a run fails.
+
+--transports default runs the RPC side and the floor with TensorPipe's default transports (shared memory added,
+which busy-polls a core per process) instead of the scripts' TCP only: not what a user runs, for the README's
+figures of what TCP costs. Defaults: --rounds 3, --episodes 150, --calls 2000, --seed 1.
 """
 import argparse
 import os
-import re
+import signal
 import sys
 import time
-import warnings
-from statistics import median
 
-import gymnasium as gym
-import torch
-import torch.distributed.rpc as rpc
+from common import (Failed, fields, held_port, machine, median, medians, python, run_together, same, shown,
+                    spread)
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(HERE), HERE]
-import rpc_rl_cartpole as rl  # noqa: E402
-from common import (add_rank_env_flag, PhaseClock, captured_stdout, free_port, machine, phase_medians,  # noqa: E402
-                    run_rpc_round, same, spread)
-
-PHASES = ("select_action", "env_step", "reset", "finish")
-OBSERVER_ID = 1  # the one observer's rank and RPC id; its environment's seed is seed + this
-CLOCK = PhaseClock()  # this process's environment calls
+SINGLE_PHASES = ("reset", "select_action", "env_step", "finish")
+RPC_PHASES = ("reset", "select_action", "env_step", "report", "rest")
+OBSERVER_RANK = 1  # the only observer at world size 2; its environment is seeded with seed + this
 
 
-class TimedEnv(gym.Wrapper):
-    """The environment with a clock: the time between its calls is spent choosing the action."""
+def single(args):
+    """The plain single-process loop; prints one `Single:` line of key=value pairs."""
+    import gymnasium as gym
+    import torch
+    import torch.optim as optim
+    from torch.distributions import Categorical
 
-    def reset(self, **kwargs):
-        CLOCK.mark("finish")
-        result = self.env.reset(**kwargs)
-        CLOCK.mark("reset")
-        return result
+    from rpc_rl_cartpole import Policy
 
-    def step(self, action):
-        CLOCK.mark("select_action")
-        result = self.env.step(action)
-        CLOCK.mark("env_step")
-        return result
-
-
-class TimedObserver(rl.Observer):
-    """The script's Observer on a TimedEnv; the RPC side sets rl.Observer to this so the agent builds it."""
-
-    def __init__(self, seed):
-        super().__init__(seed)
-        self.env = TimedEnv(self.env)
-
-    def run_episode(self, agent_rref):
-        CLOCK.restart()  # between episodes the observer waits for the agent: that time is not its own
-        super().run_episode(agent_rref)
-
-
-def single_round(args):
-    """The script's Agent choosing for one TimedEnv in this process, the loop of run_agent and run_episode."""
-    torch.manual_seed(args.seed)  # what the agent's rank seeds
-    agent = rl.Agent(world_size=1, gamma=args.gamma, lr=args.lr, seed=args.seed)  # no remote observers
-    agent.rewards[OBSERVER_ID], agent.saved_log_probs[OBSERVER_ID] = [], []
-    env = TimedEnv(gym.make(rl.ENV_NAME))
-    seed = args.seed + OBSERVER_ID
-    CLOCK.totals = {}
-    CLOCK.restart()
-    for _ in range(args.max_episodes):
-        state, _ = env.reset(seed=seed)
-        seed = None
-        rewards = []
-        for _ in range(10000):  # Observer.run_episode's cap
-            action = agent.select_action(OBSERVER_ID, state)
+    torch.manual_seed(args.seed)  # what the script's agent (rank 0) seeds
+    env = gym.make("CartPole-v1")
+    env.reset(seed=args.seed + OBSERVER_RANK)  # what the script's observer seeds
+    policy = Policy()
+    optimizer = optim.Adam(policy.parameters(), lr=1e-2)
+    gamma, eps = 0.99, torch.finfo(torch.float32).eps
+    running_reward, steps, solved = 0, 0, False
+    totals = dict.fromkeys(SINGLE_PHASES, 0.0)
+    start = last = time.perf_counter()
+    for episode in range(1, args.episodes + 1):
+        state, _ = env.reset()
+        now = time.perf_counter()
+        totals["reset"] += now - last
+        rewards, log_probs = [], []
+        for _ in range(10000):
+            probs = policy(torch.from_numpy(state).float().unsqueeze(0))
+            m = Categorical(probs)
+            action = m.sample()
+            log_probs.append(m.log_prob(action))
+            action = action.item()
+            last, now = now, time.perf_counter()
+            totals["select_action"] += now - last
             state, reward, terminated, truncated, _ = env.step(action)
+            last, now = now, time.perf_counter()
+            totals["env_step"] += now - last
             rewards.append(reward)
             if terminated or truncated:
                 break
-        agent.report_reward(OBSERVER_ID, rewards)
-        agent.finish_episode()
-        if agent.running_reward > agent.reward_threshold:
+        R, returns = 0, []
+        for r in rewards[::-1]:
+            R = r + gamma * R
+            returns.insert(0, R)
+        steps += len(rewards)
+        running_reward = 0.05 * sum(rewards) + (1 - 0.05) * running_reward
+        returns = torch.tensor(returns)
+        returns = (returns - returns.mean()) / (returns.std() + eps)
+        policy_loss = torch.cat([-log_prob * R for log_prob, R in zip(log_probs, returns)]).sum()
+        optimizer.zero_grad()
+        policy_loss.backward()
+        optimizer.step()
+        last = time.perf_counter()
+        totals["finish"] += last - now
+        solved = running_reward > env.spec.reward_threshold
+        if solved:
             break
-    CLOCK.mark("finish")
-    return figures(CLOCK.totals, agent.total_steps)
+    seconds = time.perf_counter() - start
+    print(f"Single: episodes={episode} steps={steps} seconds={seconds:.3f} us_per_step={1e6 * seconds / steps:.1f} "
+          + " ".join(f"{phase}_us={1e6 * total / steps:.1f}" for phase, total in totals.items())
+          + f" solved={str(solved).lower()} torch={torch.__version__} intra_op_threads={torch.get_num_threads()}",
+          flush=True)
 
 
-def figures(totals, steps):
-    us = {phase: 1e6 * seconds / steps for phase, seconds in totals.items()}
-    return {"us_per_step": sum(us.values()), "phases": us, "steps": steps}
+def single_round(bench):
+    command = python("benchmarks/bench_rl_cartpole.py", "--single", "--episodes", bench.episodes, "--seed", bench.seed)
+    got = fields(run_together([command], bench.limit)[0], "Single:")
+    result = {phase: float(got[f"{phase}_us"]) for phase in SINGLE_PHASES}
+    result.update(us_per_step=float(got["us_per_step"]), steps=int(got["steps"]), torch=got["torch"],
+                  intra_op_threads=got["intra_op_threads"])
+    return result, command
 
 
-def time_the_agent():
-    """A clock inside the agent: its own select_action, so the round trip is what the observer waits beyond it."""
-    totals = {"agent_select_action": 0.0}
-    select_action = rl.Agent.select_action
-
-    def timed_select_action(self, ob_id, state):
-        begin = time.perf_counter()
-        action = select_action(self, ob_id, state)
-        totals["agent_select_action"] += time.perf_counter() - begin
-        return action
-
-    rl.Agent.select_action = timed_select_action
-    return totals
+def ping_round(bench):
+    with held_port() as port:
+        commands = [python("benchmarks/rpc_ping.py", f"--rank={rank}", f"--master_port={port}", "--calls", bench.calls,
+                           *["--transports", "default"] * (bench.transports == "default")) for rank in (0, 1)]
+        caller = run_together(commands, bench.limit)[1]
+    return float(fields(caller, "Ping:")["us_per_call"]), commands
 
 
-def rpc_rank(rank, args):
-    """One process of the RPC side: the script's own rank, its observer a TimedObserver."""
-    rl.Observer = TimedObserver  # the name the agent builds its observers from
-    if args.transports != "script":
-        rl.RPC_TRANSPORTS = None if args.transports == "default" else args.transports.split(",")
-    agent_clock = time_the_agent()
-    with captured_stdout() as printed:  # the script's progress lines; errors still reach stderr
-        if hasattr(rl, "_set_rendezvous_env"):  # plumbing where _init_rpc does not set MASTER_ADDR/PORT itself
-            rl._set_rendezvous_env(rank, args)
-        rl.run_rank(rank, args)
-        if rank == OBSERVER_ID:
-            return {"observer": CLOCK.totals}
-        summary = re.search(r"^Summary: (.*)$", printed(), re.M)
-    if summary is None:
-        raise RuntimeError("rpc_rl_cartpole.py printed no Summary line")
-    fields = dict(pair.split("=", 1) for pair in summary.group(1).split() if "=" in pair)
-    return {"steps": int(fields["steps"]), "us_per_step": float(fields["us_per_step"]), "agent": agent_clock}
+def rpc_round(bench):
+    with held_port() as port:
+        flags = ["--world_size=2", f"--master_port={port}", f"--max_episodes={bench.episodes}", f"--seed={bench.seed}"]
+        commands = [python("benchmarks/timed_rank.py", *bench.wrapper_flags, "rpc_rl_cartpole.py", f"--rank={rank}",
+                           *flags) for rank in (0, 1)]
+        agent_out, observer_out = run_together(commands, bench.limit)
+    summary, agent = fields(agent_out, "Summary:"), fields(agent_out, "Timed:")
+    observer = fields(observer_out, "Timed:")
+    steps = int(summary["steps"])
+    if int(observer["steps"]) != steps:
+        raise Failed(f"the observer timed {observer['steps']} steps, the agent's Summary says {steps}")
+    result = {phase: 1e6 * float(observer.get(f"{phase}_s", 0)) / steps for phase in RPC_PHASES if phase != "rest"}
+    result.update(us_per_step=float(summary["us_per_step"]), steps=steps, episodes=int(summary["episodes"]),
+                  agent_select_action=1e6 * float(agent["select_action_s"]) / steps,
+                  agent_finish=1e6 * float(agent["finish_s"]) / steps)
+    result["rest"] = 1e6 * float(summary["seconds"]) / steps - sum(result[phase] for phase in RPC_PHASES[:-1])
+    return result, commands
 
 
-def rpc_round(args, rank_env):
-    """The script's run with its own us_per_step; what its observer did not see is the agent's finish."""
-    result = run_rpc_round(rpc_rank, args, rank_env=rank_env)
-    seen = {phase: seconds for phase, seconds in result["observer"].items() if phase != "finish"}
-    seen["finish"] = result["us_per_step"] * result["steps"] / 1e6 - sum(seen.values())
-    timed = figures(seen, result["steps"])
-    for phase, seconds in result["agent"].items():  # inside the agent: a part of select_action, not added again
-        timed["phases"][phase] = 1e6 * seconds / result["steps"]
-    return timed
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser.add_argument("--episodes", type=int, default=150, help="episodes per run (fewer if solved)")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of (single process, floor, RPC)")
+    parser.add_argument("--seed", type=int, default=1, help="the script's --seed")
+    parser.add_argument("--calls", type=int, default=2000, help="timed no-op round trips for the floor")
+    parser.add_argument("--transports", choices=("script", "default"), default="script",
+                        help="RPC side: the script's TCP only, or TensorPipe's defaults (not what a user runs)")
+    parser.add_argument("--limit", type=float, default=600, help="seconds one side of a round may take")
+    parser.add_argument("--single", action="store_true", help="run only the single-process loop, once, and print it")
+    bench = parser.parse_args(argv)
+    if bench.rounds < 1 or bench.episodes < 1 or bench.calls < 1:
+        parser.error("--rounds, --episodes and --calls must be at least 1")
+    if bench.single:
+        return single(bench)
+    bench.wrapper_flags = ["--transports=default"] * (bench.transports == "default")
 
-
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--episodes", type=int, default=50)
-    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of (single process, RPC)")
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--transports", default="script",
-                        help="TensorPipe transports of the RPC side: script (the script's own), default (TensorPipe's), or e.g. uv")
-    add_rank_env_flag(parser)
-    bench = parser.parse_args()
-    if bench.rounds < 1 or bench.episodes < 1:
-        parser.error("--rounds and --episodes must be at least 1")
-
-    flags = ["--world_size", "2", "--seed", str(bench.seed), "--max_episodes", str(bench.episodes)]
-    # The single-process Agent still needs RPC for its RRef(self): a group of one,
-    # TCP only, so that no shared-memory reactor polls beside the RPC rounds.
-    options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{free_port()}", _transports=["uv"])
-    with warnings.catch_warnings():  # init_rpc's own use of a gloo Backend, harmless
-        warnings.filterwarnings("ignore", message=r"You are using a Backend .* as a ProcessGroup")
-        rpc.init_rpc(rl.AGENT_NAME, rank=0, world_size=1, rpc_backend_options=options)
-    singles, rpcs = [], []
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` ends the round's processes as Ctrl-C does
+    singles, pings, rpcs = [], [], []
     try:
-        for n in range(1, bench.rounds + 1):  # alternate, so that a busy spell on the machine hits both sides
-            singles.append(single_round(rl.parse_args(flags)))
-            rpc_args = rl.parse_args(flags + ["--master_port", str(free_port())])
-            rpc_args.transports = bench.transports
-            rpcs.append(rpc_round(rpc_args, bench.rank_env))
-            single, remote = singles[-1]["us_per_step"], rpcs[-1]["us_per_step"]
-            print(f"round={n} single_us_per_step={single:.0f} rpc_us_per_step={remote:.0f} ratio={remote / single:.2f} "
-                  f"single_steps={singles[-1]['steps']} rpc_steps={rpcs[-1]['steps']}", flush=True)
-    except torch.multiprocessing.ProcessException as exc:
-        sys.exit(f"The RPC side failed in round {len(rpcs) + 1}: {exc}")
-    finally:
-        rpc.shutdown()
+        for n in range(1, bench.rounds + 1):  # alternating, so that a busy spell on the machine hits every side
+            result, single_command = single_round(bench)
+            singles.append(result)
+            ping, ping_commands = ping_round(bench)
+            pings.append(ping)
+            result, rpc_commands = rpc_round(bench)
+            rpcs.append(result)
+            if n == 1:
+                print(f"# single: {shown(single_command)}", f"# floor rank 0: {shown(ping_commands[0])}",
+                      f"# floor rank 1: {shown(ping_commands[1])}", f"# rpc rank 0: {shown(rpc_commands[0])}",
+                      f"# rpc rank 1: {shown(rpc_commands[1])}", sep="\n")
+            single_us, rpc_us = singles[-1]["us_per_step"], rpcs[-1]["us_per_step"]
+            floor = single_us + ping
+            print(f"round={n} single_us_per_step={single_us:.0f} rpc_us_per_step={rpc_us:.0f} "
+                  f"ratio={rpc_us / single_us:.2f} round_trip_us={ping:.0f} floor_us_per_step={floor:.0f} "
+                  f"ratio_to_floor={rpc_us / floor:.2f} single_steps={singles[-1]['steps']} "
+                  f"rpc_steps={rpcs[-1]['steps']}", flush=True)
+    except Failed as exc:
+        sys.exit(f"Round {len(rpcs) + 1} failed: {exc}")
+    except KeyboardInterrupt:  # every process of the round is gone (run_together)
+        sys.exit(f"Interrupted in round {len(rpcs) + 1}.")
 
-    single_us = [r["us_per_step"] for r in singles]
-    rpc_us = [r["us_per_step"] for r in rpcs]
-    print(machine())
-    print("phase_us_per_step=median", phase_medians("single", [r["phases"] for r in singles], PHASES, 0),
-          phase_medians("rpc", [r["phases"] for r in rpcs], PHASES + ("agent_select_action",), 0))
+    single_us, rpc_us = [r["us_per_step"] for r in singles], [r["us_per_step"] for r in rpcs]
+    floors = [s + p for s, p in zip(single_us, pings)]
+    print(machine(singles[0]["torch"]), f"single_intra_op_threads={singles[0]['intra_op_threads']}")
+    print("phase_us_per_step=median", medians("single", singles, SINGLE_PHASES, 0),
+          medians("rpc", rpcs, RPC_PHASES, 0), medians("rpc", rpcs, ("agent_select_action", "agent_finish"), 0),
+          "rpc_select_action_outside_agent={:.0f}".format(
+              median([r["select_action"] - r["agent_select_action"] for r in rpcs])))
     print(f"bench=rl_cartpole world_size=2 rounds={bench.rounds} episodes={bench.episodes} seed={bench.seed} "
-          f"transports={bench.transports} rank_env={bench.rank_env} "
+          f"transports={bench.transports} "
           f"single_steps={same([r['steps'] for r in singles])} rpc_steps={same([r['steps'] for r in rpcs])} "
           f"{spread('single_us_per_step', single_us, 0)} {spread('rpc_us_per_step', rpc_us, 0)} "
-          f"ratio={median(rpc_us) / median(single_us):.2f}", flush=True)
+          f"{spread('round_trip_us', pings, 0)} {spread('floor_us_per_step', floors, 0)} "
+          f"ratio={median(rpc_us) / median(single_us):.2f} ratio_to_floor={median(rpc_us) / median(floors):.2f}",
+          flush=True)
 
 
 if __name__ == "__main__":
+    sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the scripts, for --single
     main()

@@ -1,21 +1,26 @@
-"""What the benchmarks share: a clock per phase, RPC rounds in spawned processes, the printed figures."""
+"""What the benchmarks share: a clock per phase, commands run side by side, key=value lines read and printed.
+
+Nothing here imports torch: the process that drives a benchmark only starts, waits and reads; every figure
+comes from a fresh process of its own.
+"""
 import contextlib
 import os
 import platform
+import re
+import shlex
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
-import threading
 import time
-import warnings
 
-import torch
-import torch.multiprocessing as mp
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)  # the scripts' folder: every command runs there, as a user's would
 
 
 class PhaseClock:
-    """Adds the time since the previous mark to the named phase, so the phases sum to the whole."""
+    """Adds the time since the previous mark to the named phase, so that the phases sum to the whole."""
 
     def __init__(self):
         self.totals = {}
@@ -30,98 +35,113 @@ class PhaseClock:
         self.last = now
 
 
-def free_port():
-    """A port the OS says is free, so that no round meets another's group."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+class Failed(Exception):
+    """A command of a round failed; the message says which and how, with the end of what it printed."""
 
 
 @contextlib.contextmanager
-def captured_stdout():
-    """Send stdout (print and os.write alike) to a file for the block; yields a function that reads it."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    with tempfile.TemporaryFile("a+") as file:  # append mode: reading it back never moves where lines go
-        os.dup2(file.fileno(), 1)
+def held_port():
+    """A free port for rank 0, held until the block ends, as the scripts' own one-command launcher holds it:
+    bound on every address and never listening, so the OS gives it to no one else while rank 0 can still listen."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("", 0))
+        yield sock.getsockname()[1]
 
-        def read():
-            sys.stdout.flush()
-            file.seek(0)
-            return file.read()
 
+def python(*args):
+    """A command line as a user types it in the scripts' folder: `python ARGS...` (this interpreter)."""
+    return [sys.executable, *map(str, args)]
+
+
+def shown(command):
+    """A command as it reads in a terminal, `python` for this interpreter."""
+    return shlex.join(["python", *command[1:]])
+
+
+def run_together(commands, limit, grace=10.0):
+    """Start every command at once in the scripts' folder, with this process's environment unchanged (nothing
+    added), each with its own output files (as a terminal each); wait until all have ended. Returns what each
+    printed on stdout. If one fails, the others get `grace` seconds to end, then are killed; nothing outlives
+    this call. Raises Failed with the failing command's stderr."""
+    with contextlib.ExitStack() as stack:
+        outs = [stack.enter_context(tempfile.TemporaryFile("w+")) for _ in commands]
+        errs = [stack.enter_context(tempfile.TemporaryFile("w+")) for _ in commands]
+        procs = []
         try:
-            yield read
+            for command, out, err in zip(commands, outs, errs):
+                procs.append(subprocess.Popen(command, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=out, stderr=err))
+            start, failed_at = time.monotonic(), None
+            while any(proc.poll() is None for proc in procs):
+                now = time.monotonic()
+                if failed_at is None and any(proc.returncode not in (None, 0) for proc in procs):
+                    failed_at = now
+                if now - start > limit or failed_at is not None and now - failed_at > grace:
+                    break
+                time.sleep(0.05)
         finally:
-            sys.stdout.flush()
-            os.dup2(saved, 1)
-            os.close(saved)
+            for proc in procs:  # by their own pids: interrupted, failed or over the limit, none outlives us
+                if proc.poll() is None:
+                    proc.kill()
+                proc.wait()
+        texts = []
+        for out in outs:
+            out.seek(0)
+            texts.append(out.read())
+        for command, proc, err in zip(commands, procs, errs):
+            if proc.returncode != 0:
+                err.seek(0)
+                tail = "\n".join(err.read().strip().splitlines()[-5:]) or "(nothing on stderr)"
+                how = f"exit status {proc.returncode}" if proc.returncode > 0 else f"signal {-proc.returncode}"
+                late = f" (killed after --limit {limit:g} s)" if time.monotonic() - start > limit else ""
+                raise Failed(f"`{shown(command)}` ended with {how}{late}:\n{tail}")
+        return texts
 
 
-# What the scripts' one-command launcher adds to the environment of the ranks it spawns (README, "Speed").
-LAUNCHER_ENV = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "268435456"}
+def fields(text, prefix):
+    """The key=value pairs of the last line of text that starts with prefix (e.g. 'Summary:'), as a dict."""
+    lines = [line for line in text.splitlines() if line.startswith(prefix)]
+    if not lines:
+        raise Failed(f"no line starting {prefix!r} in:\n" + "\n".join(text.strip().splitlines()[-5:]))
+    return dict(pair.split("=", 1) for pair in lines[-1][len(prefix):].split() if "=" in pair)
 
 
-def add_rank_env_flag(parser):
-    parser.add_argument("--rank_env", choices=["launcher", "none"], default="launcher",
-                        help="environment of the RPC ranks: the launcher's malloc settings, or none added")
+# Variables that change how fast torch, glibc or TensorPipe run. The scripts' README asks for none of them, so
+# a figure taken with any set is not what a user gets; the benchmark passes the environment through and says so.
+SPEED_ENV = re.compile(r"^(MALLOC_\w+|LD_PRELOAD|OMP_\w+|GOMP_\w+|KMP_\w+|MKL_\w+|OPENBLAS_\w+|TP_\w+|"
+                       r"ATEN_\w+|TORCH_\w*THREADS\w*|PYTORCH_\w+)$")
 
 
-def run_rpc_round(rank_fn, args, nprocs=2, rank_env="launcher"):
-    """Run rank_fn(rank, args) in nprocs spawned processes; return the union of the dicts they return."""
-    if rank_env == "launcher":  # read by glibc when a rank starts, so this process itself is left as it was
-        os.environ.update(LAUNCHER_ENV)
-    queue = mp.get_context("spawn").SimpleQueue()
-    procs = mp.start_processes(_child, args=(rank_fn, args, queue, os.getpid()), nprocs=nprocs,
-                               join=False, start_method="spawn")
-    try:
-        while not procs.join(grace_period=5):  # a failed rank: the others get 5 s to report, then are killed
-            pass
-    finally:
-        for proc in procs.processes:  # interrupted or failed: no rank outlives the benchmark
-            if proc.is_alive():
-                proc.kill()
-            proc.join()
-    results = {}
-    while not queue.empty():
-        results.update(queue.get())
-    return results
+def machine(torch_version):
+    """Where the figures come from, as key=value pairs."""
+    cpu = "unknown"
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo") as info:
+            names = re.findall(r"^model name\s*:\s*(.*)$", info.read(), re.M)
+            cpu = names[0].strip().replace(" ", "_") if names else cpu
+    speed_env = ",".join(sorted(name for name in os.environ if SPEED_ENV.match(name))) or "none"
+    load = os.getloadavg()[0]
+    return (f"cores={len(os.sched_getaffinity(0))} cpu={cpu} torch={torch_version} "
+            f"python={platform.python_version()} load_average_1min={load:.2f} speed_env={speed_env}")
 
 
-def _child(rank, rank_fn, args, queue, parent_pid):
-    def exit_with_parent():  # a parent killed outright cannot stop its ranks; they stop themselves
-        while os.getppid() == parent_pid:
-            time.sleep(1)
-        os._exit(1)
-
-    threading.Thread(target=exit_with_parent, daemon=True).start()
-    with warnings.catch_warnings():  # as the scripts' own _rank_main: rpc's use of a gloo Backend, not ours to fix
-        warnings.filterwarnings("ignore", message="You are using a Backend .* as a ProcessGroup")
-        queue.put(rank_fn(rank, args))
-
-
-def machine():
-    """Where the figures come from; call it after the last round (it may initialise CUDA)."""
-    gpu = torch.cuda.get_device_name(0).replace(" ", "_") if torch.cuda.is_available() else "none"
-    return (f"cores={len(os.sched_getaffinity(0))} intra_op_threads={torch.get_num_threads()} "
-            f"torch={torch.__version__} python={platform.python_version()} gpu={gpu}")
+def median(values):
+    return statistics.median(values)
 
 
 def spread(name, values, digits):
-    """name's median, range (min-max) and every round's figure, as key=value pairs."""
+    """name's median and range (min-max) over the rounds, as key=value pairs."""
     def fmt(value):
         return f"{value:.{digits}f}"
 
-    return (f"{name}_median={fmt(statistics.median(values))} {name}_range={fmt(min(values))}-{fmt(max(values))} "
-            f"{name}_rounds={','.join(map(fmt, values))}")
+    return f"{name}_median={fmt(median(values))} {name}_range={fmt(min(values))}-{fmt(max(values))}"
 
 
-def phase_medians(side, rounds, phases, digits):
-    """Each phase's median over the rounds, as side_phase=value pairs."""
-    return " ".join(f"{side}_{phase}={statistics.median(r.get(phase, 0.0) for r in rounds):.{digits}f}"
-                    for phase in phases)
+def medians(side, rounds, keys, digits):
+    """Each key's median over the rounds (dicts of floats), as side_key=value pairs."""
+    return " ".join(f"{side}_{key}={median([r[key] for r in rounds]):.{digits}f}" for key in keys)
 
 
 def same(values):
-    """One value where all rounds agree, else every round's."""
+    """One value where all rounds agree, else every round's, comma-separated."""
     return values[0] if len(set(values)) == 1 else ",".join(map(str, values))
