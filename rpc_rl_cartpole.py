@@ -29,6 +29,8 @@ from itertools import count
 
 if __name__ == "__main__" and "--debug" not in sys.argv:
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # before torch loads: no C++ warnings as peers go
+if __name__ == "__mp_main__":  # a rank the launcher started, still loading torch: Ctrl-C ends it without a traceback
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 import gymnasium as gym  # the tutorial's gym is no longer maintained; gymnasium's reset and step differ (see Observer)
 import torch

@@ -66,17 +66,18 @@ def ended_at(proc):
 
 
 def act_when_ready(*cases):
-    """cases: (run, line, action). Call each action as soon as its run has printed a line holding that text,
-    so that no run trains on, taking the machine's cores, while another is being waited for."""
+    """cases: (run, line, action). Call each action as soon as its run has printed a line holding that text
+    (or, where `line` is a function, once it returns true), so that no run trains on, taking the machine's
+    cores, while another is being waited for."""
     pending, deadline = list(cases), time.monotonic() + HANG
     while pending:
         for case in list(pending):
-            proc, text, action = case
-            if text in proc.out:
+            proc, line, action = case
+            if line(proc) if callable(line) else line in proc.out:
                 pending.remove(case)
                 action()
             else:
-                assert proc.proc.poll() is None and time.monotonic() < deadline, f"never printed {text!r}: {proc}"
+                assert proc.proc.poll() is None and time.monotonic() < deadline, f"never ready ({line}): {proc}"
         time.sleep(0.05)
 
 
@@ -214,7 +215,7 @@ def test_a_rank_killed_mid_run_stops_the_other_ranks(rank_runs):
             assert "lost contact with rank 1" in error_lines(ranks[0])[0], ranks[0]
 
 
-STOPS = ("a rank killed", "Ctrl-C", "SIGTERM while starting", "SIGKILL to the launcher")
+STOPS = ("a rank killed", "Ctrl-C while starting", "SIGTERM to the launcher", "SIGKILL to the launcher")
 
 
 @pytest.fixture(scope="module")
@@ -230,15 +231,16 @@ def launcher_runs(tmp_path_factory):
         if how == "a rank killed":
             launcher.ranks = launched_ranks(launcher)
             os.kill(launcher.ranks[1], signal.SIGKILL)
-        elif how == "Ctrl-C":
+        elif how.startswith("Ctrl-C"):
             os.killpg(launcher.pid, signal.SIGINT)  # the terminal sends it to the whole foreground group
         else:
             os.kill(launcher.pid, signal.SIGTERM if how.startswith("SIGTERM") else signal.SIGKILL)
         launcher.stopped = time.monotonic()
 
     try:
-        act_when_ready(*[(runs[how], "Starting 2 ranks" if how.endswith("starting") else "Training epoch 1 loss",
-                          lambda how=how: stop(how)) for how in STOPS])
+        # "While starting": both rank processes exist and are loading torch.
+        act_when_ready(*[(runs[how], (lambda run: len(launched_ranks(run)) == 2) if how.endswith("starting")
+                          else "Training epoch 1 loss", lambda how=how: stop(how)) for how in STOPS])
         for launcher in runs.values():
             launcher.wait(HANG)
             launcher.gone = wait_gone(launcher, launcher.stopped)
@@ -261,8 +263,8 @@ def test_a_rank_killed_in_a_one_command_run(launcher_runs):
 
 
 def test_stopping_a_one_command_run_stops_every_rank(launcher_runs):
-    # SIGTERM (`kill`) right after the launcher said it starts the ranks: they are still loading torch.
-    for how in ("Ctrl-C", "SIGTERM while starting"):
+    # Ctrl-C while the ranks still load torch: they get it too, and end without a traceback.
+    for how in ("Ctrl-C while starting", "SIGTERM to the launcher"):
         launcher = launcher_runs[how]
         assert launcher.returncode == 130 and launcher.gone < AT_ONCE, f"{how}: {launcher}"
         assert_no_traceback(launcher.err)
