@@ -29,8 +29,6 @@ import warnings
 
 if __name__ == "__main__" and "--debug" not in sys.argv:
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # before torch loads: no C++ warnings as peers go
-if __name__ == "__mp_main__":  # a rank the launcher started, still loading torch: Ctrl-C ends it without a traceback
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 import torch
 import torch.distributed.autograd as dist_autograd
@@ -385,7 +383,9 @@ def main(argv=None):
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # the last line below says it
     print(f"Starting {args.world_size} ranks; rank 0 listens on {args.master_addr}:{args.master_port}", flush=True)
     try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited: a Ctrl-C while a rank starts cannot cut it off
         ranks = mp.start_processes(run_rank, args=(args,), nprocs=args.world_size, join=False, daemon=True)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # (run_rank gives each rank the default action)
         while not ranks.join(grace_period=3):  # when a rank fails, the others have 3 s to say why, then SIGTERM
             pass
     except mp.ProcessExitedException as exc:
