@@ -37,8 +37,8 @@ import signal
 import sys
 import time
 
-from common import (Failed, fields, held_port, machine, median, medians, python, run_together, same, shown,
-                    spread)
+from common import (Failed, add_bench_flags, fields, held_port, machine, median, medians, python, run_together, same,
+                    shown, spread)
 
 SINGLE_PHASES = ("load", "forward", "backward", "step")
 RPC_PHASES = SINGLE_PHASES + ("other",)
@@ -133,14 +133,9 @@ def rpc_round(bench):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--data_dir", default="./data", help="an MNIST root (holds MNIST/raw/), as the script's")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of (single process, RPC)")
     parser.add_argument("--train_samples", type=int, default=8000, help="first N training images (0: all)")
     parser.add_argument("--test_samples", type=int, default=2000, help="first N test images (0: all)")
-    parser.add_argument("--seed", type=int, default=1, help="the script's --seed")
-    parser.add_argument("--transports", choices=("script", "default"), default="script",
-                        help="RPC side: the script's TCP only, or TensorPipe's defaults (not what a user runs)")
-    parser.add_argument("--limit", type=float, default=600, help="seconds one side of a round may take")
-    parser.add_argument("--single", action="store_true", help="run only the single-process loop, once, and print it")
+    add_bench_flags(parser, "single process, RPC")
     bench = parser.parse_args(argv)
     if bench.rounds < 1 or bench.train_samples < 0 or bench.test_samples < 0:
         parser.error("--rounds must be at least 1, and the sample counts 0 (all) or more")

@@ -45,8 +45,8 @@ import signal
 import sys
 import time
 
-from common import (Failed, fields, held_port, machine, median, medians, python, run_together, same, shown,
-                    spread)
+from common import (Failed, add_bench_flags, fields, held_port, machine, median, medians, python, run_together, same,
+                    shown, spread)
 
 SINGLE_PHASES = ("reset", "select_action", "env_step", "finish")
 RPC_PHASES = ("reset", "select_action", "env_step", "report", "rest")
@@ -153,13 +153,8 @@ def rpc_round(bench):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--episodes", type=int, default=150, help="episodes per run (fewer if solved)")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of (single process, floor, RPC)")
-    parser.add_argument("--seed", type=int, default=1, help="the script's --seed")
     parser.add_argument("--calls", type=int, default=2000, help="timed no-op round trips for the floor")
-    parser.add_argument("--transports", choices=("script", "default"), default="script",
-                        help="RPC side: the script's TCP only, or TensorPipe's defaults (not what a user runs)")
-    parser.add_argument("--limit", type=float, default=600, help="seconds one side of a round may take")
-    parser.add_argument("--single", action="store_true", help="run only the single-process loop, once, and print it")
+    add_bench_flags(parser, "single process, floor, RPC")
     bench = parser.parse_args(argv)
     if bench.rounds < 1 or bench.episodes < 1 or bench.calls < 1:
         parser.error("--rounds, --episodes and --calls must be at least 1")

@@ -145,3 +145,13 @@ def medians(side, rounds, keys, digits):
 def same(values):
     """One value where all rounds agree, else every round's, comma-separated."""
     return values[0] if len(set(values)) == 1 else ",".join(map(str, values))
+
+
+def add_bench_flags(parser, sides):
+    """The flags both benchmarks take; sides names what one round runs, e.g. "single process, RPC"."""
+    parser.add_argument("--rounds", type=int, default=3, help=f"alternating rounds of ({sides})")
+    parser.add_argument("--seed", type=int, default=1, help="the script's --seed")
+    parser.add_argument("--transports", choices=("script", "default"), default="script",
+                        help="RPC side: the script's TCP only, or TensorPipe's defaults (not what a user runs)")
+    parser.add_argument("--limit", type=float, default=600, help="seconds one side of a round may take")
+    parser.add_argument("--single", action="store_true", help="run only the single-process loop, once, and print it")
