@@ -33,12 +33,11 @@ figures of what TCP costs. Defaults: --rounds 3, --train_samples 8000, --test_sa
 """
 import argparse
 import os
-import signal
 import sys
 import time
 
-from common import (Failed, add_bench_flags, fields, held_port, machine, median, medians, python, run_together, same,
-                    shown, spread)
+from common import (Failed, add_bench_flags, fields, held_port, machine, median, medians, python, rounds_reported,
+                    run_together, same, shown, spread)
 
 SINGLE_PHASES = ("load", "forward", "backward", "step")
 RPC_PHASES = SINGLE_PHASES + ("other",)
@@ -144,9 +143,8 @@ def main(argv=None):
         return single(bench)
     bench.wrapper_flags = ["--transports=default"] * (bench.transports == "default")
 
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` ends the round's processes as Ctrl-C does
     singles, rpcs = [], []
-    try:
+    with rounds_reported(rpcs):
         for n in range(1, bench.rounds + 1):  # alternating, so that a busy spell on the machine hits both sides
             result, command = single_round(bench)
             singles.append(result)
@@ -160,10 +158,6 @@ def main(argv=None):
                   f"ratio={rpc_ms / single_ms:.2f} single_accuracy={singles[-1]['accuracy']} "
                   f"rpc_accuracy={rpcs[-1]['accuracy']} rpc_phase_sum_ms={rpcs[-1]['phase_sum']:.1f} "
                   f"rpc_summary_ms={rpcs[-1]['summary_ms']:.1f}", flush=True)
-    except Failed as exc:
-        sys.exit(f"Round {len(rpcs) + 1} failed: {exc}")
-    except KeyboardInterrupt:  # every process of the round is gone (run_together)
-        sys.exit(f"Interrupted in round {len(rpcs) + 1}.")
 
     single_ms, rpc_ms = [r["ms_per_batch"] for r in singles], [r["ms_per_batch"] for r in rpcs]
     print(machine(singles[0]["torch"]), f"single_intra_op_threads={singles[0]['intra_op_threads']}")

@@ -41,12 +41,11 @@ figures of what TCP costs. Defaults: --rounds 3, --episodes 150, --calls 2000, -
 """
 import argparse
 import os
-import signal
 import sys
 import time
 
-from common import (Failed, add_bench_flags, fields, held_port, machine, median, medians, python, run_together, same,
-                    shown, spread)
+from common import (Failed, add_bench_flags, fields, held_port, machine, median, medians, python, rounds_reported,
+                    run_together, same, shown, spread)
 
 SINGLE_PHASES = ("reset", "select_action", "env_step", "finish")
 RPC_PHASES = ("reset", "select_action", "env_step", "report", "rest")
@@ -162,9 +161,8 @@ def main(argv=None):
         return single(bench)
     bench.wrapper_flags = ["--transports=default"] * (bench.transports == "default")
 
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` ends the round's processes as Ctrl-C does
     singles, pings, rpcs = [], [], []
-    try:
+    with rounds_reported(rpcs):
         for n in range(1, bench.rounds + 1):  # alternating, so that a busy spell on the machine hits every side
             result, single_command = single_round(bench)
             singles.append(result)
@@ -182,10 +180,6 @@ def main(argv=None):
                   f"ratio={rpc_us / single_us:.2f} round_trip_us={ping:.0f} floor_us_per_step={floor:.0f} "
                   f"ratio_to_floor={rpc_us / floor:.2f} single_steps={singles[-1]['steps']} "
                   f"rpc_steps={rpcs[-1]['steps']}", flush=True)
-    except Failed as exc:
-        sys.exit(f"Round {len(rpcs) + 1} failed: {exc}")
-    except KeyboardInterrupt:  # every process of the round is gone (run_together)
-        sys.exit(f"Interrupted in round {len(rpcs) + 1}.")
 
     single_us, rpc_us = [r["us_per_step"] for r in singles], [r["us_per_step"] for r in rpcs]
     floors = [s + p for s, p in zip(single_us, pings)]

@@ -8,6 +8,7 @@ import os
 import platform
 import re
 import shlex
+import signal
 import socket
 import statistics
 import subprocess
@@ -155,3 +156,16 @@ def add_bench_flags(parser, sides):
                         help="RPC side: the script's TCP only, or TensorPipe's defaults (not what a user runs)")
     parser.add_argument("--limit", type=float, default=600, help="seconds one side of a round may take")
     parser.add_argument("--single", action="store_true", help="run only the single-process loop, once, and print it")
+
+
+@contextlib.contextmanager
+def rounds_reported(done):
+    """Around the rounds: a failed round, Ctrl-C or `kill` ends the benchmark with one line (run_together has
+    already ended every process of the round); done is the list of finished rounds."""
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` ends the round's processes as Ctrl-C does
+    try:
+        yield
+    except Failed as exc:
+        sys.exit(f"Round {len(done) + 1} failed: {exc}")
+    except KeyboardInterrupt:
+        sys.exit(f"Interrupted in round {len(done) + 1}.")

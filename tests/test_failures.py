@@ -103,20 +103,20 @@ def wait_gone(proc, since):
 class Kill(NamedTuple):
     script: str
     world_size: int
-    flags: list
     started: str  # a line that shows training under way
     printer: int  # the rank that prints it
     victim: int  # the rank that is killed
     name: str  # its name
+    mnist: bool = False  # whether the script reads the tiny MNIST
 
 
 # A rank killed mid-run, one terminal per rank: the RNN's idle parameter server loses its trainer, the RNN
 # trainer its parameter server (which hosts the store); the parameter server example's idle server loses its
 # only trainer; DDP's trainer0 (rank 0, whose work runs in RPC threads) loses the master.
-KILLS = [Kill(SCRIPT, 2, [], "Training epoch 1 loss", 1, 1, "trainer"),
-         Kill(SCRIPT, 2, [], "Training epoch 1 loss", 1, 0, "ps"),
-         Kill("rpc_parameter_server.py", 2, ["tiny mnist"], "training batch 2 ", 1, 1, "trainer_1"),
-         Kill("ddp_rpc_hybrid.py", 3, [], "Training done for epoch 1", 0, 1, "master")]
+KILLS = [Kill(SCRIPT, 2, "Training epoch 1 loss", 1, 1, "trainer"),
+         Kill(SCRIPT, 2, "Training epoch 1 loss", 1, 0, "ps"),
+         Kill("rpc_parameter_server.py", 2, "training batch 2 ", 1, 1, "trainer_1", mnist=True),
+         Kill("ddp_rpc_hybrid.py", 3, "Training done for epoch 1", 0, 1, "master")]
 
 
 @pytest.fixture(scope="module")
@@ -149,9 +149,8 @@ def rank_runs(tmp_path_factory, tiny_mnist):
     runs["an exception inside an RPC"] = [run(buggy, *common, f"--rank={rank}") for rank in (0, 1)]
     runs["kills"] = []
     for case in KILLS:
-        flags = [flag for each in case.flags for flag in (tiny_mnist_flags(tiny_mnist) if each == "tiny mnist" else [each])]
         common = [f"--world_size={case.world_size}", "--master_port", free_port(), "--timeout", TIMEOUT,
-                  "--epochs", 100000, *flags]
+                  "--epochs", 100000, *(tiny_mnist_flags(tiny_mnist) if case.mnist else [])]
         runs["kills"].append([case, [run(case.script, *common, f"--rank={rank}") for rank in range(case.world_size)],
                               None])
     note_ends(*started)
