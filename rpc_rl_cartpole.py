@@ -14,7 +14,6 @@ torchrun:                            torchrun --nproc_per_node=2 rpc_rl_cartpole
 import argparse
 import contextlib
 import fcntl
-import logging
 import os
 import re
 import signal
@@ -259,8 +258,7 @@ def backend_options(args, **kwargs):
 def deadline(rank, args):
     """Around init_rpc (or init_process_group), which waits 30 minutes for a missing rank, forever on a silent port."""
     timer = threading.Timer(args.timeout, fail, (rank, args, f"not all {args.world_size} ranks met at {args.master_addr}:"
-                            f"{args.master_port} within --timeout {args.timeout:g} s: start every rank with the same "
-                            f"--world_size, --master_addr and --master_port."))
+                            f"{args.master_port} within --timeout {args.timeout:g} s: check --world_size and --master_port."))
     timer.start()
     with warnings.catch_warnings():  # init_rpc's own use of a Gloo Backend as a ProcessGroup: not ours to fix
         warnings.filterwarnings("ignore", message="You are using a Backend .* as a ProcessGroup")
@@ -280,15 +278,14 @@ def _peer_done(rank):
 def wait_for_peers(rank, args):
     """Before rpc.shutdown(), which waits forever for a peer that died: each rank tells rank 0 it is done and waits
     for the answer, which comes when all are; meanwhile rank 0 asks every peer each second if it still answers."""
-    names = [worker_name(peer, args.world_size) for peer in range(args.world_size)]
     if rank != 0:
-        return rpc.rpc_sync(names[0], _peer_done, args=(rank,), timeout=0)  # 0: no limit, it waits for the run
+        return rpc.rpc_sync(0, _peer_done, args=(rank,), timeout=0)  # 0: no limit, it waits for the run
     while len(_peers_done) < args.world_size - 1:
         for peer in range(1, args.world_size):
             try:
-                rpc.rpc_sync(names[peer], os.getpid)
+                rpc.rpc_sync(peer, os.getpid)
             except RuntimeError:
-                fail(rank, args, f"lost contact with rank {peer} ({names[peer]}); its own output says why.")
+                fail(rank, args, f"lost contact with rank {peer} ({worker_name(peer, args.world_size)}); see its output.")
         time.sleep(1)
     _all_done.set_result(None)
 
@@ -300,7 +297,7 @@ def describe(exc):
     if remote:  # the callee's repr(exception), then its traceback (printed on the callee too); innermost first
         return "an RPC that ran on rank {} ({}) raised {}".format(*remote[-1])
     lost = re.search("end of file|connection reset|closed by peer|broken pipe|no such process", text, re.I)
-    return f"{type(exc).__name__}: {text.splitlines()[0]}" + " (a peer's process ended; its own output says why)" * bool(lost)
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" + " (a peer's process ended; see its output)" * bool(lost)
 
 
 def fail(rank, args, message):
@@ -333,9 +330,7 @@ def run_rank(rank, args):
         pick_interface(rank, args)
         run_worker(rank, args.world_size, args)
     except Exception as exc:
-        if args.debug:
-            traceback.print_exc()
-        fail(rank, args, describe(exc))
+        fail(rank, args, traceback.format_exc() if args.debug else describe(exc))
 
 
 def add_common_flags(parser, world_size):
@@ -347,12 +342,11 @@ def add_common_flags(parser, world_size):
     parser.add_argument("--timeout", type=float, default=60.0, help="Longest wait for a peer or an RPC, in seconds.")
     parser.add_argument("--debug", action="store_true", help="On a failure, the traceback and torch's own log too.")
     parser.add_argument("--seed", type=int, default=1, help="Random seed.")
+    parser.set_defaults(**{name.lower(): os.environ[name] for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+                           if name in os.environ})  # set by torchrun (and other launchers); a flag overrides them
 
 
 def check_common_args(parser, args):
-    if args.rank is None and "RANK" in os.environ:  # torchrun, or any launcher that sets these
-        args.rank, args.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        args.master_addr, args.master_port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     if args.rank is not None and not 0 <= args.rank < args.world_size:
         parser.error(f"--rank must be in [0, {args.world_size}) for --world_size {args.world_size}, got {args.rank}")
     args.master_port = args.master_port or (29500 if args.rank is not None else None)
@@ -368,7 +362,6 @@ def main(argv=None):
         port.bind(("", 0))
         args.master_port = port.getsockname()[1]
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` stops the ranks as Ctrl-C does
-    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # the last line below says it
     print(f"Starting {args.world_size} ranks; rank 0 listens on {args.master_addr}:{args.master_port}", flush=True)
     try:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited: a Ctrl-C while a rank starts cannot cut it off

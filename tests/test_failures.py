@@ -195,7 +195,7 @@ def test_an_exception_inside_an_rpc_names_its_rank_and_cause(rank_runs):
     assert ps.returncode == 1, ps
     assert "On WorkerInfo(id=0, name=ps):\nRuntimeError('mat1 and mat2 shapes cannot be multiplied" in ps.err, ps
     assert re.search(r"line \d+, in forward\n +return self.decoder\(", ps.err), ps
-    assert error_lines(ps) == ["Error on rank 0 (ps): lost contact with rank 1 (trainer); its own output says why."], ps
+    assert error_lines(ps) == ["Error on rank 0 (ps): lost contact with rank 1 (trainer); see its output."], ps
 
 
 def test_a_rank_killed_mid_run_stops_the_other_ranks(rank_runs):
@@ -256,8 +256,7 @@ def test_a_rank_killed_in_a_one_command_run(launcher_runs):
     assert launcher.returncode == 1 and launcher.gone < AT_ONCE, launcher
     assert_no_traceback(launcher.err)
     # The parameter server says what it lost, then the launcher says which rank ended and that it stopped the rest.
-    assert error_lines(launcher) == ["Error on rank 0 (ps): lost contact with rank 1 (trainer); its own output says "
-                                     "why."], launcher
+    assert error_lines(launcher) == ["Error on rank 0 (ps): lost contact with rank 1 (trainer); see its output."], launcher
     assert launcher.err.strip().splitlines()[-1] == "Rank 1 (trainer) ended with SIGKILL: stopped every rank."
 
 
