@@ -15,7 +15,9 @@ Each round runs, one after the other:
 
 2. the floor: benchmarks/rpc_ping.py, two fresh processes set up as the script's agent and observer, timing a
    no-op rpc_sync round trip on the scripts' transport (TensorPipe over TCP, _transports=["uv"]). One step over
-   RPC cannot cost less than one step in one process plus one such round trip.
+   RPC cannot cost less than one step in one process plus one such round trip. rpc_ping.py also times the same
+   no-op called as the tutorial calls its agent, through `rref.rpc_sync()`: the RRef floor, one step in one
+   process plus that call, is the least the tutorial's own pattern can cost.
 
 3. RPC: rpc_rl_cartpole.py at world size 2 (one agent, one observer), one process per rank as a user runs it
    in two terminals,
@@ -32,7 +34,8 @@ Prints every round, then the machine, the median µs per step of each phase of b
 env_step, and for one process finish: the end-of-episode update; for RPC report, the observer's report_reward
 call, and rest, what the observer does not see: the agent's update and starting each episode) with the agent's
 own select_action (within the observer's select_action: the rest is the round trip) and finish_episode (within
-rest), and the medians, ranges and ratios to one process and to the floor, all as key=value pairs. Exit status 1
+rest), and the medians, ranges and ratios to one process, to the floor and to the RRef floor, all as key=value
+pairs. Exit status 1
 if a run fails.
 
 --transports default runs the RPC side and the floor with TensorPipe's default transports (shared memory added,
@@ -126,8 +129,8 @@ def ping_round(bench):
     with held_port() as port:
         commands = [python("benchmarks/rpc_ping.py", f"--rank={rank}", f"--master_port={port}", "--calls", bench.calls,
                            *["--transports", "default"] * (bench.transports == "default")) for rank in (0, 1)]
-        caller = run_together(commands, bench.limit)[1]
-    return float(fields(caller, "Ping:")["us_per_call"]), commands
+        got = fields(run_together(commands, bench.limit)[1], "Ping:")
+    return (float(got["us_per_call"]), float(got["rref_us_per_call"])), commands
 
 
 def rpc_round(bench):
@@ -161,13 +164,14 @@ def main(argv=None):
         return single(bench)
     bench.wrapper_flags = ["--transports=default"] * (bench.transports == "default")
 
-    singles, pings, rpcs = [], [], []
+    singles, pings, rref_pings, rpcs = [], [], [], []
     with rounds_reported(rpcs):
         for n in range(1, bench.rounds + 1):  # alternating, so that a busy spell on the machine hits every side
             result, single_command = single_round(bench)
             singles.append(result)
-            ping, ping_commands = ping_round(bench)
+            (ping, rref_ping), ping_commands = ping_round(bench)
             pings.append(ping)
+            rref_pings.append(rref_ping)
             result, rpc_commands = rpc_round(bench)
             rpcs.append(result)
             if n == 1:
@@ -175,14 +179,16 @@ def main(argv=None):
                       f"# floor rank 1: {shown(ping_commands[1])}", f"# rpc rank 0: {shown(rpc_commands[0])}",
                       f"# rpc rank 1: {shown(rpc_commands[1])}", sep="\n")
             single_us, rpc_us = singles[-1]["us_per_step"], rpcs[-1]["us_per_step"]
-            floor = single_us + ping
+            floor, rref_floor = single_us + ping, single_us + rref_ping
             print(f"round={n} single_us_per_step={single_us:.0f} rpc_us_per_step={rpc_us:.0f} "
                   f"ratio={rpc_us / single_us:.2f} round_trip_us={ping:.0f} floor_us_per_step={floor:.0f} "
-                  f"ratio_to_floor={rpc_us / floor:.2f} single_steps={singles[-1]['steps']} "
+                  f"ratio_to_floor={rpc_us / floor:.2f} rref_round_trip_us={rref_ping:.0f} "
+                  f"ratio_to_rref_floor={rpc_us / rref_floor:.2f} single_steps={singles[-1]['steps']} "
                   f"rpc_steps={rpcs[-1]['steps']}", flush=True)
 
     single_us, rpc_us = [r["us_per_step"] for r in singles], [r["us_per_step"] for r in rpcs]
     floors = [s + p for s, p in zip(single_us, pings)]
+    rref_floors = [s + p for s, p in zip(single_us, rref_pings)]
     print(machine(singles[0]["torch"]), f"single_intra_op_threads={singles[0]['intra_op_threads']}")
     print("phase_us_per_step=median", medians("single", singles, SINGLE_PHASES, 0),
           medians("rpc", rpcs, RPC_PHASES, 0), medians("rpc", rpcs, ("agent_select_action", "agent_finish"), 0),
@@ -193,7 +199,9 @@ def main(argv=None):
           f"single_steps={same([r['steps'] for r in singles])} rpc_steps={same([r['steps'] for r in rpcs])} "
           f"{spread('single_us_per_step', single_us, 0)} {spread('rpc_us_per_step', rpc_us, 0)} "
           f"{spread('round_trip_us', pings, 0)} {spread('floor_us_per_step', floors, 0)} "
-          f"ratio={median(rpc_us) / median(single_us):.2f} ratio_to_floor={median(rpc_us) / median(floors):.2f}",
+          f"{spread('rref_round_trip_us', rref_pings, 0)} {spread('rref_floor_us_per_step', rref_floors, 0)} "
+          f"ratio={median(rpc_us) / median(single_us):.2f} ratio_to_floor={median(rpc_us) / median(floors):.2f} "
+          f"ratio_to_rref_floor={median(rpc_us) / median(rref_floors):.2f}",
           flush=True)
 
 
