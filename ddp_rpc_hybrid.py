@@ -264,12 +264,12 @@ def deadline(rank, args):
     timer.cancel()  # (if init_rpc raised instead, fail() ends the process)
 
 
-_peers_done, _all_done = set(), torch.futures.Future()  # on rank 0: the ranks whose work is done; then all are
+_peers_done, _all_done = threading.Semaphore(0), torch.futures.Future()  # on rank 0: one release per rank done
 
 
 @rpc.functions.async_execution  # answers once every rank is done, holding no RPC thread meanwhile
 def _peer_done(rank):
-    _peers_done.add(rank)
+    _peers_done.release()
     return _all_done
 
 
@@ -278,21 +278,21 @@ def wait_for_peers(rank, args):
     for the answer, which comes when all are; meanwhile rank 0 asks every peer each second if it still answers."""
     if rank != 0:
         return rpc.rpc_sync(0, _peer_done, args=(rank,), timeout=0)  # 0: no limit, it waits for the run
-    while len(_peers_done) < args.world_size - 1:
-        for peer in range(1, args.world_size):
-            try:
-                rpc.rpc_sync(peer, os.getpid)
-            except RuntimeError:
-                fail(rank, args, f"lost contact with rank {peer} ({worker_name(peer, args.world_size)}); see its output.")
-        time.sleep(1)
+    for _ in range(1, args.world_size):
+        while not _peers_done.acquire(timeout=1):
+            for peer in range(1, args.world_size):
+                try:
+                    rpc.rpc_sync(peer, os.getpid)
+                except RuntimeError:
+                    fail(rank, args, f"lost contact with rank {peer} ({worker_name(peer, args.world_size)}); see its output.")
     _all_done.set_result(None)
 
 
 def describe(exc):
     """One line for an exception; for one raised inside an RPC, the rank it ran on and the remote exception."""
     text = str(exc).strip() or type(exc).__name__
-    remote = re.findall(r"On WorkerInfo\(id=(\d+), name=(.*?)\):\n(.*)", text)
-    if remote:  # the callee's repr(exception), then its traceback (printed on the callee too); innermost first
+    # The callee's repr(exception), then its traceback (torch prints it on the callee too); innermost first.
+    if remote := re.findall(r"On WorkerInfo\(id=(\d+), name=(.*?)\):\n(.*)", text):
         return "an RPC that ran on rank {} ({}) raised {}".format(*remote[-1])
     lost = re.search("end of file|connection reset|closed by peer|broken pipe|no such process", text, re.I)
     return f"{type(exc).__name__}: {text.splitlines()[0]}" + " (a peer's process ended; see its output)" * bool(lost)
@@ -322,6 +322,8 @@ def pick_interface(rank, args):
 def run_rank(rank, args):
     """One process: the tutorial's run_worker, and one line instead of a traceback if it fails."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C ends a rank at once, even inside a wait in torch
+    if mp.parent_process() and not mp.parent_process().is_alive():  # a launcher killed while this rank started,
+        return  # before torch.multiprocessing armed the signal that the launcher's death sends its ranks
     for stream in (sys.stdout, sys.stderr):  # whole lines, even with PYTHONUNBUFFERED=1: ranks never merge
         stream.reconfigure(line_buffering=True, write_through=False)
     try:

@@ -214,7 +214,7 @@ def test_a_rank_killed_mid_run_stops_the_other_ranks(rank_runs):
             assert "lost contact with rank 1" in error_lines(ranks[0])[0], ranks[0]
 
 
-STOPS = ("a rank killed", "Ctrl-C while starting", "SIGTERM to the launcher", "SIGKILL to the launcher")
+STOPS = ("a rank killed", "Ctrl-C while starting", "SIGTERM to the launcher", "SIGKILL to the launcher while starting")
 
 
 @pytest.fixture(scope="module")
@@ -268,8 +268,9 @@ def test_stopping_a_one_command_run_stops_every_rank(launcher_runs):
         assert_no_traceback(launcher.err)
         assert launcher.err.strip().splitlines()[-1] == "Interrupted: stopping every rank.", f"{how}: {launcher}"
         assert error_lines(launcher) == [], f"{how}: {launcher}"  # the ranks were stopped, not lost
-    # SIGKILL: the ranks get torch.multiprocessing's parent-death signal.
-    launcher = launcher_runs["SIGKILL to the launcher"]
+    # SIGKILL while the ranks load torch, before torch.multiprocessing arms their parent-death signal: each rank
+    # sees at its start that the launcher is gone (later, that signal ends them).
+    launcher = launcher_runs["SIGKILL to the launcher while starting"]
     assert launcher.returncode == -signal.SIGKILL and launcher.gone < AT_ONCE, launcher
 
 
