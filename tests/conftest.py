@@ -265,11 +265,13 @@ def run(tmp_path):
 def shared_runs(tmp_path_factory, tiny_mnist, alone_in_rpc):
     """Every script run that several tests read, started together on first use so that they share the cores,
     and all ended before any test reads them, so that their load never overlaps a later test. A dict: the
-    one-command run of the RNN, the parameter server and CartPole by file name, each at world size 2, with a
-    twin of the same flags run one rank per process ("ps ranks", "rl ranks", "rnn ranks at own address": the
-    RNN's with --master_addr this host's own non-loopback address where it has one); "ps 3 ranks" and "rl 3
-    ranks", one rank per process at world size 3; DDP at world size 3, one rank per process, by its file name;
-    "rnn torchrun", the RNN under torchrun. The RPC helper process (alone_in_rpc) starts with them."""
+    RNN's one-command run by its file name, and its twin of the same flags run one rank per process with
+    --master_addr this host's own non-loopback address where it has one ("rnn ranks at own address"); the
+    parameter server and CartPole at world size 2 one rank per process, twice with the same flags ("ps ranks"
+    and "ps twin", "rl ranks" and "rl twin"), and at world size 3 ("ps 3 ranks", "rl 3 ranks"); DDP at world
+    size 3, one rank per process, by its file name; "rnn torchrun", the RNN under torchrun. One command runs
+    only the RNN here: every rank it starts imports torch afresh, the suite's largest cost, and the launcher is
+    the same text in all four scripts. The RPC helper process (alone_in_rpc) starts with them."""
     started = []
 
     def start(script, *args, python_args=()):
@@ -285,11 +287,11 @@ def shared_runs(tmp_path_factory, tiny_mnist, alone_in_rpc):
     ps_flags = [f"--epochs={PS_EPOCHS}", *tiny_mnist_flags(tiny_mnist)]
     rl_flags = [f"--max_episodes={RL_EPISODES}", "--log_interval=1"]
     rnn_flags = [f"--epochs={RNN_EPOCHS}"]
-    runs = {  # one command at world size 2, and the same flags one rank per process: the same numbers
-        "rpc_parameter_server.py": start("rpc_parameter_server.py", "--world_size=2", *ps_flags),
+    runs = {  # world size 2, twice with the same flags: the same numbers
         "ps ranks": ranks("rpc_parameter_server.py", 2, *ps_flags),
-        "rpc_rl_cartpole.py": start("rpc_rl_cartpole.py", *rl_flags),
+        "ps twin": ranks("rpc_parameter_server.py", 2, *ps_flags),
         "rl ranks": ranks("rpc_rl_cartpole.py", 2, *rl_flags),
+        "rl twin": ranks("rpc_rl_cartpole.py", 2, *rl_flags),
         "rpc_rnn_model_parallel.py": start("rpc_rnn_model_parallel.py", *rnn_flags),
         "rnn ranks at own address": ranks("rpc_rnn_model_parallel.py", 2, *rnn_flags,
                                           addr=(own_address() or (None, "localhost"))[1]),

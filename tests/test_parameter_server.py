@@ -1,4 +1,4 @@
-"""rpc_parameter_server.py: run as a user would on tiny MNIST, with one trainer and with two."""
+"""rpc_parameter_server.py: run as a user would on tiny MNIST, one rank per process, with one trainer and with two."""
 import re
 import shutil
 
@@ -8,32 +8,31 @@ import torch
 import rpc_parameter_server as ps
 from conftest import MNIST_BATCH_SIZE, MNIST_LOG_INTERVAL, MNIST_TRAIN, PS_EPOCHS, assert_succeeded, in_rpc_group, summary
 
-SCRIPT = "rpc_parameter_server.py"
-
 
 def loss_lines(out, rank):
     """(batch, epoch) of each of the rank's loss lines, whole and in order."""
     return re.findall(rf"^Rank {rank} training batch (\d+) loss \d+\.\d{{4}} epoch (\d+)$", out, re.M)
 
 
-def test_one_command_and_one_rank_per_process_give_the_same_numbers(shared_runs):
-    # One trainer drives the parameter server alone: the one-command run and its twin of the same flags, one
-    # rank per process, must print the same losses and accuracy.
-    proc, ranks = shared_runs[SCRIPT], shared_runs["ps ranks"]
-    assert_succeeded(proc, *ranks)
+def test_one_trainer_same_seed_same_numbers(shared_runs):
+    # One trainer drives the parameter server alone: two runs of the same flags must print the same losses
+    # and accuracy.
+    (server, trainer), twin = shared_runs["ps ranks"], shared_runs["ps twin"][1]
+    assert_succeeded(server, trainer, *shared_runs["ps twin"])
     batches = MNIST_TRAIN // MNIST_BATCH_SIZE  # per epoch
     # A line every MNIST_LOG_INTERVAL batches of every epoch.
-    assert loss_lines(proc.out, 1) == [(str(batch), str(epoch)) for epoch in range(PS_EPOCHS)
-                                       for batch in range(0, batches, MNIST_LOG_INTERVAL)], proc.out
+    assert loss_lines(trainer.out, 1) == [(str(batch), str(epoch)) for epoch in range(PS_EPOCHS)
+                                          for batch in range(0, batches, MNIST_LOG_INTERVAL)], trainer.out
     assert re.search(rf"^Summary: rank=1 batches={PS_EPOCHS * batches} seconds=[\d.]+ ms_per_batch=[\d.]+ "
-                     rf"accuracy=[\d.]+$", proc.out, re.M), proc.out
-    for line in ("PS master initializing RPC", "RPC initialized! Running parameter server...", "Training complete!",
-                 "Getting accuracy....", "RPC shutdown on parameter server."):
-        assert line in proc.out.splitlines(), proc.out
-    assert loss_lines(proc.out, 1) == loss_lines(ranks[1].out, 1)
-    assert re.findall(r"^Rank 1 training batch .*$", proc.out, re.M) == re.findall(
-        r"^Rank 1 training batch .*$", ranks[1].out, re.M)
-    assert summary(proc.out, timings=False) == summary(ranks[1].out, timings=False)
+                     rf"accuracy=[\d.]+$", trainer.out, re.M), trainer.out
+    for proc, lines in ((server, ("PS master initializing RPC", "RPC initialized! Running parameter server...",
+                                  "RPC shutdown on parameter server.")),
+                        (trainer, ("Worker rank 1 initializing RPC", "Training complete!", "Getting accuracy...."))):
+        for line in lines:
+            assert line in proc.out.splitlines(), proc.out
+    assert re.findall(r"^Rank 1 training batch .*$", trainer.out, re.M) == re.findall(
+        r"^Rank 1 training batch .*$", twin.out, re.M)
+    assert summary(trainer.out, timings=False) == summary(twin.out, timings=False)
 
 
 def test_two_trainers(shared_runs):

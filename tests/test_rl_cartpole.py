@@ -7,27 +7,24 @@ import torch
 import rpc_rl_cartpole as rl
 from conftest import RL_EPISODES, assert_succeeded, in_rpc_group, summary
 
-SCRIPT = "rpc_rl_cartpole.py"
-
 
 def episodes(out):
     """The (episode, last reward, average reward) of each status line."""
     return re.findall(r"^Episode (\d+)\tLast reward: (\d+\.\d\d)\tAverage reward: (\d+\.\d\d)$", out, re.M)
 
 
-def test_one_command_and_one_rank_per_process_play_the_same_episodes(shared_runs):
-    # One observer: the agent alone decides, so the one-command run and its twin of the same flags, one rank
-    # per process, must play the same episodes.
-    proc, ranks = shared_runs[SCRIPT], shared_runs["rl ranks"]
-    assert_succeeded(proc, *ranks)
+def test_one_observer_same_seed_same_episodes(shared_runs):
+    # One observer: the agent alone decides, so two runs of the same flags must play the same episodes.
+    (agent, observer), twin = shared_runs["rl ranks"], shared_runs["rl twin"][0]
+    assert_succeeded(agent, observer, *shared_runs["rl twin"])
     assert re.search(rf"^This will run until reward threshold of 475\.0 is reached \(or for at most {RL_EPISODES} "
-                     rf"episodes\)\.$", proc.out, re.M), proc.out
-    assert [int(n) for n, *_ in episodes(proc.out)] == list(range(1, RL_EPISODES + 1)), proc.out
-    figures = summary(proc.out)
-    assert figures["episodes"] == str(RL_EPISODES) and figures["solved"] == "false", proc.out
+                     rf"episodes\)\.$", agent.out, re.M), agent.out
+    assert [int(n) for n, *_ in episodes(agent.out)] == list(range(1, RL_EPISODES + 1)), agent.out
+    figures = summary(agent.out)
+    assert figures["episodes"] == str(RL_EPISODES) and figures["solved"] == "false", agent.out
     assert int(figures["steps"]) >= 8 * RL_EPISODES  # CartPole cannot fall in fewer than 8 steps
-    assert episodes(proc.out) == episodes(ranks[0].out)
-    assert summary(proc.out, timings=False) == summary(ranks[0].out, timings=False)
+    assert episodes(agent.out) == episodes(twin.out)
+    assert summary(agent.out, timings=False) == summary(twin.out, timings=False)
 
 
 def test_two_observers(shared_runs):
