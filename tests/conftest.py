@@ -1,12 +1,12 @@
-"""Shared test helpers: free ports, scripts run as real subprocesses, the runs that
-several tests read, tiny MNIST, and the RPC helper process."""
+"""Shared test helpers: free ports, scripts run as a user runs them (a fresh `python SCRIPT ...` each), the
+runs that several tests read, tiny MNIST, an RPC group of one for the classes' unit checks, and two hosts."""
 import fcntl
 import ipaddress
-import json
 import multiprocessing
 import multiprocessing.connection
 import os
 import re
+import shutil
 import signal
 import socket
 import struct
@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 import traceback
+import uuid
 from pathlib import Path
 
 import pytest
@@ -30,8 +31,8 @@ SCRIPTS = ["rpc_parameter_server", "rpc_rl_cartpole", "rpc_rnn_model_parallel", 
 # Tiny MNIST and the shared runs' settings: tests derive what they expect from these.
 MNIST_TRAIN, MNIST_TEST = 64, 32  # images in the tiny MNIST
 MNIST_BATCH_SIZE, MNIST_LOG_INTERVAL = 8, 2  # --batch_size, --log_interval of every parameter server run
-PS_EPOCHS = 2
-RL_EPISODES = 3
+PS_EPOCHS = 3
+RL_EPISODES = 40  # enough for the policy to improve: CartPole's early episodes are cheap
 RNN_EPOCHS = 10  # the default: the smoke run is the README's command as written
 DDP_EPOCHS = 4
 
@@ -44,8 +45,7 @@ _reserved = []  # the sockets that hold free_port's ports for the whole session
 
 def free_port():
     """A free port (never a hard-coded one), held for the session as the scripts' launchers hold theirs: bound
-    on every address, never listening, so the OS gives it to no one else (held on one address only, it could go
-    to a listener on another, and a rank 0 could then not listen on it), while a rank 0 can still listen on it."""
+    on every address, never listening, so the OS gives it to no one else, while a rank 0 can still listen on it."""
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("", 0))
@@ -67,7 +67,7 @@ def own_address():
 
 
 def assert_no_traceback(text):
-    """The scripts promise a paragraph, never a Python traceback or C++ frames."""
+    """The scripts promise one line, never a Python traceback or C++ frames."""
     assert "Traceback" not in text and "frame #" not in text, text
 
 
@@ -86,90 +86,18 @@ def summary(out, timings=True):
     return figures if timings else {key: value for key, value in figures.items() if key not in TIMING_FIGURES}
 
 
-class Preloaded:
-    """tests/preloaded.py: a Python that has loaded torch once and forks each run asked of it."""
-
-    def __init__(self):
-        self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.server = subprocess.Popen([sys.executable, str(ROOT / "tests" / "preloaded.py"), str(theirs.fileno())],
-                                       pass_fds=[theirs.fileno()], env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        theirs.close()
-        self.lock, self.changed, self.started, self.ended = threading.Lock(), threading.Condition(), [], {}
-        threading.Thread(target=self._listen, daemon=True).start()
-
-    def _listen(self):
-        while message := self.sock.recv(4096):
-            what, pid, *status = json.loads(message)
-            with self.changed:
-                if what == "started":
-                    self.started.append(pid)
-                else:
-                    self.ended[pid] = status[0]
-                self.changed.notify_all()
-
-    def start(self, argv, env, cwd, netns=None):
-        """A Popen-like handle on `python argv...` forked by the server, in a session of its own."""
-        (out_r, out_w), (err_r, err_w) = os.pipe(), os.pipe()
-        with self.lock, self.changed:
-            socket.send_fds(self.sock, [json.dumps([argv[0], argv[1:], env, str(cwd), netns]).encode()], [out_w, err_w])
-            os.close(out_w), os.close(err_w)
-            if not self.changed.wait_for(lambda: self.started, HANG):
-                pytest.fail(f"tests/preloaded.py did not start {argv}")
-            return Forked(self, self.started.pop(), open(out_r), open(err_r))
-
-    def stop(self):
-        self.sock.close()
-        self.server.kill()
-        self.server.wait()
-
-
-class Forked:
-    """What Run uses of Popen, for a process that tests/preloaded.py forked (its parent there reaps it)."""
-
-    def __init__(self, server, pid, stdout, stderr):
-        self.server, self.pid, self.stdout, self.stderr, self.returncode = server, pid, stdout, stderr, None
-
-    def poll(self):
-        if self.returncode is None and self.pid in self.server.ended:
-            self.returncode = os.waitstatus_to_exitcode(self.server.ended[self.pid])
-        return self.returncode
-
-    def wait(self, timeout=None):
-        with self.server.changed:
-            if not self.server.changed.wait_for(lambda: self.pid in self.server.ended, timeout):
-                raise subprocess.TimeoutExpired(str(self.pid), timeout)
-        return self.poll()
-
-
-_preloaded = []  # the one Preloaded server of this session
-
-
-def pytest_sessionstart(session):
-    _preloaded.append(Preloaded())  # it loads torch while pytest collects the tests
-
-
-def pytest_sessionfinish(session):
-    for server in _preloaded:
-        server.stop()
-
-
 class Run:
-    """One script started as a user would, in its own session (and network namespace netns, if given);
-    output read as it comes. Forked from tests/preloaded.py unless it needs a fresh interpreter: python_args
-    (torchrun) or --debug (torch's log level is set before torch loads)."""
+    """`python SCRIPT ARGS...` started as a user would, with the test's environment (plus `env`), in a session of
+    its own so that a test can signal or kill all it started; in network namespace `netns` if given (`ip netns
+    exec`); `python_args` go between python and the script (-m torch.distributed.run ...). Output is read as it
+    comes."""
 
     def __init__(self, script, args, cwd, env=None, netns=None, python_args=()):
         self.started, self.cwd = time.monotonic(), Path(cwd)
-        argv, env = [str(ROOT / script), *map(str, args)], {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        if python_args or "--debug" in argv:
-            prefix = ["ip", "netns", "exec", netns] if netns else []
-            self.proc = subprocess.Popen(
-                [*prefix, sys.executable, *python_args, *argv], cwd=cwd, stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE, text=True, env=env,
-                start_new_session=True,  # so a test can signal the whole group, and kill it if it hangs
-            )
-        else:
-            self.proc = _preloaded[0].start(argv, env, cwd, netns)
+        prefix = ["ip", "netns", "exec", netns] if netns else []
+        self.proc = subprocess.Popen([*prefix, sys.executable, *python_args, str(ROOT / script), *map(str, args)],
+                                     cwd=cwd, env={**os.environ, **(env or {})}, stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
         self.pid = self.proc.pid
         self._out, self._err = [], []
         self._readers = [threading.Thread(target=lambda pipe=pipe, lines=lines: lines.extend(pipe), daemon=True)
@@ -243,35 +171,45 @@ class Run:
                 f"\nstderr:\n{self.err[-4000:]}")
 
 
-@pytest.fixture
-def run(tmp_path):
-    """run(script, *args) starts a script of the repository (conftest.Run); netns= runs it in that
-    network namespace, python_args= goes between python and the script (-m torch.distributed.run ...).
-    Every process it started is killed at teardown, pass or fail."""
-    started = []
-
-    def start(script, *args, env=None, netns=None, python_args=()):
-        proc = Run(script, args, cwd=tmp_path, env=env, netns=netns, python_args=python_args)
-        started.append(proc)
-        return proc
-
-    yield start
-    for proc in started:
+def stop_all(runs):
+    """Kill whatever is left of each run, pass or fail, and reap it."""
+    for proc in runs:
         proc.kill()
         proc.proc.wait()
 
 
+@pytest.fixture
+def run(tmp_path):
+    """run(script, *args, env=None, netns=None, python_args=()) starts a script of the repository (Run).
+    Every process it started is killed at teardown, pass or fail."""
+    started = []
+
+    def start(script, *args, env=None, netns=None, python_args=()):
+        started.append(Run(script, args, cwd=tmp_path, env=env, netns=netns, python_args=python_args))
+        return started[-1]
+
+    yield start
+    stop_all(started)
+
+
+def wait_all(runs, limit=HANG):
+    """Wait for every run to end, `limit` seconds at most in all."""
+    deadline = time.monotonic() + limit
+    for proc in runs:
+        proc.wait(max(1, deadline - time.monotonic()))
+
+
 @pytest.fixture(scope="session")
-def shared_runs(tmp_path_factory, tiny_mnist, alone_in_rpc):
-    """Every script run that several tests read, started together on first use so that they share the cores,
-    and all ended before any test reads them, so that their load never overlaps a later test. A dict: the
-    RNN's one-command run by its file name, and its twin of the same flags run one rank per process with
-    --master_addr this host's own non-loopback address where it has one ("rnn ranks at own address"); the
-    parameter server and CartPole at world size 2 one rank per process, twice with the same flags ("ps ranks"
-    and "ps twin", "rl ranks" and "rl twin"), and at world size 3 ("ps 3 ranks", "rl 3 ranks"); DDP at world
-    size 3, one rank per process, by its file name; "rnn torchrun", the RNN under torchrun. One command runs
-    only the RNN here: every rank it starts imports torch afresh, the suite's largest cost, and the launcher is
-    the same text in all four scripts. The RPC helper process (alone_in_rpc) starts with them."""
+def shared_runs(tmp_path_factory, tiny_mnist):
+    """The successful runs that several tests read, started together so that they share the cores, and all ended
+    before any test reads them, so that their load never overlaps a later test's. A dict by name:
+    - "rnn", "ps", "rl", "ddp 3", "ddp 4": each script's one-command launch, as a user types it (the RNN's is the
+      README's command as written); the parameter server and CartPole at world size 2, DDP at 3 and at 4;
+    - "rnn ranks", "ps ranks", "rl ranks": the same flags one terminal per rank, a list of ranks: one rank drives
+      the training alone, so each must print its one-command twin's numbers. The RNN's ranks meet at this host's
+      own non-loopback address where it has one;
+    - "ps 3 ranks": two trainers one terminal per rank, saving the model;
+    - "rnn torchrun": the RNN under torchrun."""
     started = []
 
     def start(script, *args, python_args=()):
@@ -286,31 +224,24 @@ def shared_runs(tmp_path_factory, tiny_mnist, alone_in_rpc):
 
     ps_flags = [f"--epochs={PS_EPOCHS}", *tiny_mnist_flags(tiny_mnist)]
     rl_flags = [f"--max_episodes={RL_EPISODES}", "--log_interval=1"]
-    rnn_flags = [f"--epochs={RNN_EPOCHS}"]
-    runs = {  # world size 2, twice with the same flags: the same numbers
+    runs = {
+        "rnn": start("rpc_rnn_model_parallel.py"),
+        "rnn ranks": ranks("rpc_rnn_model_parallel.py", 2, addr=(own_address() or (None, "localhost"))[1]),
+        "ps": start("rpc_parameter_server.py", "--world_size=2", *ps_flags),
         "ps ranks": ranks("rpc_parameter_server.py", 2, *ps_flags),
-        "ps twin": ranks("rpc_parameter_server.py", 2, *ps_flags),
+        "rl": start("rpc_rl_cartpole.py", "--world_size=2", *rl_flags),
         "rl ranks": ranks("rpc_rl_cartpole.py", 2, *rl_flags),
-        "rl twin": ranks("rpc_rl_cartpole.py", 2, *rl_flags),
-        "rpc_rnn_model_parallel.py": start("rpc_rnn_model_parallel.py", *rnn_flags),
-        "rnn ranks at own address": ranks("rpc_rnn_model_parallel.py", 2, *rnn_flags,
-                                          addr=(own_address() or (None, "localhost"))[1]),
-        # World size 3: two trainers, two observers; DDP at its smallest.
+        "ddp 3": start("ddp_rpc_hybrid.py", "--world_size=3", f"--epochs={DDP_EPOCHS}"),
+        "ddp 4": start("ddp_rpc_hybrid.py", "--world_size=4", f"--epochs={DDP_EPOCHS}"),
         "ps 3 ranks": ranks("rpc_parameter_server.py", 3, *ps_flags, "--save_model", "model.pt"),
-        "rl 3 ranks": ranks("rpc_rl_cartpole.py", 3, *rl_flags),
-        "ddp_rpc_hybrid.py": ranks("ddp_rpc_hybrid.py", 3, f"--epochs={DDP_EPOCHS}"),
         "rnn torchrun": start("rpc_rnn_model_parallel.py", "--epochs=2", python_args=[
             "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]),
     }
     try:
-        deadline = time.monotonic() + HANG
-        for proc in started:
-            proc.wait(max(1, deadline - time.monotonic()))
+        wait_all(started)
         yield runs
     finally:
-        for proc in started:
-            proc.kill()
-            proc.proc.wait()
+        stop_all(started)
 
 
 def write_idx(raw_dir, split, images, labels):
@@ -342,63 +273,60 @@ def tiny_mnist(tmp_path_factory):
     return root
 
 
-def _serve_checks(name, requests, results):
-    """The helper process: an RPC group of one named `name`, running the tests it is sent."""
-    # TCP only, as in the scripts: TensorPipe's shared-memory transport busy-polls a core for the whole session.
-    options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{free_port()}", _transports=["uv"])
-    rpc.init_rpc(name, rank=0, world_size=1, rpc_backend_options=options)
-    while True:  # until the session's end kills it
-        check = requests.recv()
-        try:
-            check()
-            results.send(None)
-        except BaseException:
-            results.send(traceback.format_exc())
+def _rpc_group_of_one(check, port, results):
+    """In the spawned process: an RPC group of one named like the parameter server, so that a script's RPCs to
+    that worker land here; then the check."""
+    options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", _transports=["uv"])
+    rpc.init_rpc("parameter_server", rank=0, world_size=1, rpc_backend_options=options)
+    try:
+        check()
+        results.send(None)
+    except BaseException:
+        results.send(traceback.format_exc())
+    os._exit(0)  # nothing in a group of one to wind down
 
 
-@pytest.fixture(scope="session")
-def alone_in_rpc():
-    """alone_in_rpc(check) runs check() in a helper process that is an RPC group of one
-    named like the parameter server, so a script's RPCs to that worker land there.
-    A process of its own, because RPC can be started only once per process; spawned,
-    not forked, because a forked child cannot use CUDA once the test process has."""
-    ctx = multiprocessing.get_context("spawn")
-    requests, to_helper = ctx.Pipe(duplex=False)
-    from_helper, results = ctx.Pipe(duplex=False)
-    helper = ctx.Process(target=_serve_checks, args=("parameter_server", requests, results), daemon=True)
+def in_rpc_group(check, timeout=120):
+    """Run check(), a module-level function of a test module, in a freshly spawned process that is an RPC group
+    of one: RPC starts only once per process, and a spawned process (not a forked one) may use CUDA."""
+    context = multiprocessing.get_context("spawn")
+    answers, results = context.Pipe(duplex=False)
+    helper = context.Process(target=_rpc_group_of_one, args=(check, free_port(), results), daemon=True)
     helper.start()
-
-    def run_check(check, timeout=120):
-        to_helper.send(check)
-        # Wait for the answer or the helper's death, whichever comes first.
-        ready = multiprocessing.connection.wait([from_helper, helper.sentinel], timeout)
-        if from_helper in ready:
-            failure = from_helper.recv()
-            if failure:
-                pytest.fail(f"{check.__name__} failed in the RPC helper process:\n{failure}", pytrace=False)
-        elif ready:
-            pytest.fail(f"the RPC helper process died (exit code {helper.exitcode}) while running "
-                        f"{check.__name__}; its error is in the captured stderr above", pytrace=False)
-        else:
+    results.close()
+    try:
+        if not multiprocessing.connection.wait([answers, helper.sentinel], timeout):
             pytest.fail(f"{check.__name__} did not finish within {timeout} s", pytrace=False)
-
-    yield run_check
-    helper.kill()  # nothing in its group of one to wind down; rpc.shutdown() would take a second or two
-    helper.join()
-
-
-def in_rpc_group(test):
-    """Decorates a test that takes no arguments: it runs in the alone_in_rpc helper process, not in pytest's."""
-    return pytest.mark.usefixtures("alone_in_rpc")(pytest.mark.in_rpc_group(test))
+        failure = answers.recv() if answers.poll() else f"the process died (exit code {helper.exitcode})"
+        if failure:
+            pytest.fail(f"{check.__name__} failed in its RPC group of one:\n{failure}", pytrace=False)
+    finally:
+        helper.kill()
+        helper.join()
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "in_rpc_group: run the test in the RPC helper process (conftest.in_rpc_group)")
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_pyfunc_call(pyfuncitem):
-    if pyfuncitem.get_closest_marker("in_rpc_group"):
-        pyfuncitem.funcargs["alone_in_rpc"](pyfuncitem.obj)
-        return True
-    return None
+@pytest.fixture
+def two_hosts():
+    """Two network namespaces joined by a veth pair: two hosts with their own addresses, whose hostnames resolve
+    to 127.0.0.1 as on many cloud images. Yields (hosts, addrs); the veth inside host i is "v" + hosts[i][3:]."""
+    if os.geteuid() != 0 or not shutil.which("ip"):
+        pytest.skip("needs root and iproute2 to create network namespaces")
+    tag = uuid.uuid4().hex[:6]
+    hosts = [f"rpc{tag}a", f"rpc{tag}b"]
+    subnet = f"10.{200 + int(tag[:2], 16) % 50}.{int(tag[2:4], 16)}"
+    commands = [["ip", "netns", "add", hosts[0]], ["ip", "netns", "add", hosts[1]],
+                ["ip", "link", "add", f"v{tag}a", "type", "veth", "peer", "name", f"v{tag}b"]]
+    for i, host in enumerate(hosts):
+        dev = "v" + host[3:]
+        commands += [["ip", "link", "set", dev, "netns", host],
+                     ["ip", "-n", host, "addr", "add", f"{subnet}.{i + 1}/24", "dev", dev],
+                     ["ip", "-n", host, "link", "set", dev, "up"],
+                     ["ip", "-n", host, "link", "set", "lo", "up"]]
+    try:
+        for command in commands:
+            if subprocess.run(command, capture_output=True).returncode != 0:
+                pytest.skip(f"cannot create network namespaces here ({' '.join(command)} failed)")
+        yield hosts, [f"{subnet}.1", f"{subnet}.2"]
+    finally:
+        for host in hosts:
+            subprocess.run(["ip", "netns", "del", host], capture_output=True)

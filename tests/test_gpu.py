@@ -26,15 +26,18 @@ def test_parameter_server_with_one_gpu(run, tiny_mnist):
     assert proc.out.count("Summary: rank=") == 2, proc
 
 
-@needs_gpus(1)
-@in_rpc_group
-def test_rnn_embedding_table_on_cuda():
+def check_rnn_embedding_table_on_cuda():
     import rpc_rnn_model_parallel as rnn
 
     table = rnn.EmbeddingTable(ntoken=10, ninp=4, dropout=0.0, seed=0)
     assert table.encoder.weight.device.type == "cuda"
     out = table(torch.tensor([[1, 2, 3]]))
     assert out.device.type == "cpu" and out.shape == (1, 3, 4)  # moved back before it travels over RPC
+
+
+@needs_gpus(1)
+def test_rnn_embedding_table_on_cuda():
+    in_rpc_group(check_rnn_embedding_table_on_cuda)  # spawned: this test process never touches CUDA
 
 
 @needs_gpus(2)  # two trainers, so that NCCL really carries DDP's gradients between two GPUs

@@ -1,4 +1,4 @@
-"""rpc_parameter_server.py: run as a user would on tiny MNIST, one rank per process, with one trainer and with two."""
+"""rpc_parameter_server.py on tiny MNIST: one command with one trainer, one terminal per rank with one and with two."""
 import re
 import shutil
 
@@ -14,25 +14,33 @@ def loss_lines(out, rank):
     return re.findall(rf"^Rank {rank} training batch (\d+) loss \d+\.\d{{4}} epoch (\d+)$", out, re.M)
 
 
-def test_one_trainer_same_seed_same_numbers(shared_runs):
-    # One trainer drives the parameter server alone: two runs of the same flags must print the same losses
-    # and accuracy.
-    (server, trainer), twin = shared_runs["ps ranks"], shared_runs["ps twin"][1]
-    assert_succeeded(server, trainer, *shared_runs["ps twin"])
+def test_one_command_learns(shared_runs):
+    # World size 2: the parameter server and one trainer, both started by torch.multiprocessing.
+    proc = shared_runs["ps"]
+    assert_succeeded(proc)
     batches = MNIST_TRAIN // MNIST_BATCH_SIZE  # per epoch
     # A line every MNIST_LOG_INTERVAL batches of every epoch.
-    assert loss_lines(trainer.out, 1) == [(str(batch), str(epoch)) for epoch in range(PS_EPOCHS)
-                                          for batch in range(0, batches, MNIST_LOG_INTERVAL)], trainer.out
-    assert re.search(rf"^Summary: rank=1 batches={PS_EPOCHS * batches} seconds=[\d.]+ ms_per_batch=[\d.]+ "
-                     rf"accuracy=[\d.]+$", trainer.out, re.M), trainer.out
-    for proc, lines in ((server, ("PS master initializing RPC", "RPC initialized! Running parameter server...",
-                                  "RPC shutdown on parameter server.")),
-                        (trainer, ("Worker rank 1 initializing RPC", "Training complete!", "Getting accuracy...."))):
-        for line in lines:
-            assert line in proc.out.splitlines(), proc.out
-    assert re.findall(r"^Rank 1 training batch .*$", trainer.out, re.M) == re.findall(
-        r"^Rank 1 training batch .*$", twin.out, re.M)
-    assert summary(trainer.out, timings=False) == summary(twin.out, timings=False)
+    assert loss_lines(proc.out, 1) == [(str(batch), str(epoch)) for epoch in range(PS_EPOCHS)
+                                       for batch in range(0, batches, MNIST_LOG_INTERVAL)], proc.out
+    for line in ("PS master initializing RPC", "RPC initialized! Running parameter server...",
+                 "Worker rank 1 initializing RPC", "Training complete!", "Getting accuracy....",
+                 "RPC shutdown on parameter server."):
+        assert line in proc.out.splitlines(), proc.out
+    figures = summary(proc.out)
+    assert figures["rank"] == "1" and figures["batches"] == str(PS_EPOCHS * batches), proc.out
+    assert f"Accuracy {figures['accuracy']}" in proc.out.splitlines(), proc.out
+    losses = [float(loss) for loss in re.findall(r"^Rank 1 training batch \d+ loss (\d+\.\d{4})", proc.out, re.M)]
+    assert losses[-1] < losses[0] / 2 and float(figures["accuracy"]) >= 0.5, f"it should learn: {proc.out}"
+
+
+def test_one_trainer_same_seed_same_numbers(shared_runs):
+    # One trainer drives the parameter server alone: one terminal per rank prints the one-command run's numbers.
+    (server, trainer), one_command = shared_runs["ps ranks"], shared_runs["ps"]
+    assert_succeeded(server, trainer)
+    assert "Summary:" not in server.out, server  # the trainer's terminal shows the training
+    assert loss_lines(trainer.out, 1) and re.findall(r"^Rank 1 training batch .*$", trainer.out, re.M) == \
+        re.findall(r"^Rank 1 training batch .*$", one_command.out, re.M), (trainer, one_command)
+    assert summary(trainer.out, timings=False) == summary(one_command.out, timings=False)
 
 
 def test_two_trainers(shared_runs):
@@ -74,8 +82,7 @@ def test_unreadable_data_is_explained(tiny_mnist, tmp_path):
         ps.load_mnist(args, rank=1)
 
 
-@in_rpc_group
-def test_get_accuracy_evaluates_the_remote_model_in_eval_mode():
+def check_get_accuracy_evaluates_the_remote_model_in_eval_mode():
     torch.manual_seed(0)
     net = ps.TrainerNet()
     batch = torch.randn(16, 1, 28, 28)
@@ -87,3 +94,7 @@ def test_get_accuracy_evaluates_the_remote_model_in_eval_mode():
     ps.get_accuracy(loader, net)
     assert ps.param_server.model.training is False, "get_accuracy's forward passes ran the remote model in train mode"
     assert torch.equal(net(batch), net(batch)), "the same batch must give the same output in evaluation"
+
+
+def test_get_accuracy_evaluates_the_remote_model_in_eval_mode():
+    in_rpc_group(check_get_accuracy_evaluates_the_remote_model_in_eval_mode)

@@ -39,7 +39,7 @@ def test_each_script_command_parses(command, monkeypatch):
 def test_the_rnn_sample_output_is_what_the_script_prints(shared_runs):
     # The README's RNN command is the smoke run's: its sample lines (but for the time it took) must be true.
     sample = next(block for kind, block in BLOCKS if not kind and "Training epoch 0 loss" in block)
-    printed = shared_runs["rpc_rnn_model_parallel.py"].out.splitlines()
+    printed = shared_runs["rnn"].out.splitlines()
     for line in sample.splitlines():
         if line == "...":
             continue
