@@ -251,6 +251,9 @@ def parse_args(argv=None):
     check_common_args(parser, args)
     if args.world_size != 2:
         parser.error(f"--world_size must be 2 (the parameter server and one trainer), got {args.world_size}")
+    for flag in ("epochs", "batches_per_epoch"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag} must be positive, got {getattr(args, flag)}")
     if not 0 <= args.dropout < 1:
         parser.error(f"--dropout must be in [0, 1), got {args.dropout}")
     return args
