@@ -86,7 +86,8 @@ def ddp_device(rank, args):
     if all(has_gpu):
         device = torch.device("cuda", index)
         torch.cuda.set_device(device)  # the current device is per thread, and RPC runs this in one of its own
-        process_group = dist.new_group(backend="nccl")  # NCCL needs a GPU in every process: only now is that known
+        # NCCL, the backend for GPUs, where the tutorial keeps Gloo; it needs a GPU in every process, only now known.
+        process_group = dist.new_group(backend="nccl")
         print(f"trainer{rank}: DDP on {device} with nccl")  # not in the tutorial, whose device is always cuda:rank
         return device, process_group
     without = [f"trainer{trainer}" for trainer, ok in enumerate(has_gpu) if not ok]
@@ -139,7 +140,7 @@ def _run_trainer(remote_emb_module, rank, args):
             model_parameter_rrefs.append(RRef(param))
 
         # Setup distributed optimizer
-        opt = DistributedOptimizer(optim.SGD, model_parameter_rrefs, lr=args.lr)
+        opt = DistributedOptimizer(optim.SGD, model_parameter_rrefs, lr=args.lr)  # --lr: the tutorial's 0.05
 
         criterion = nn.CrossEntropyLoss()
         # Each trainer draws its own batches (the tutorial: Python's random module), as DDP expects of its workers.
@@ -147,7 +148,7 @@ def _run_trainer(remote_emb_module, rank, args):
         batches = get_next_batch(generator, args.epochs * args.batches_per_epoch, device)
 
         epoch_losses = []
-        for epoch in range(args.epochs):
+        for epoch in range(args.epochs):  # the tutorial's 100 epochs of 10 batches, as flags
             losses = []
             for _ in range(args.batches_per_epoch):
                 indices, offsets, target = next(batches)
@@ -182,8 +183,8 @@ def run_worker(rank, world_size, args):
     A wrapper function that initializes RPC, calls the function, and shuts down
     RPC.
     """
-    torch.manual_seed(args.seed + rank)
-    trainers = range(world_size - 2)
+    torch.manual_seed(args.seed + rank)  # the tutorial seeds nothing; with this, --seed fixes the initial weights
+    trainers = range(world_size - 2)  # the tutorial's ranks 0 and 1; here all below the master, for any world size
     # The tutorial sets MASTER_ADDR and ports 29500 (DDP) and 29501 (RPC). Here both meet on --master_port: torch's
     # store serves the two groups at once (DDP's keys under a prefix), so one free port, or --master_addr, does.
     if rank in trainers:
@@ -225,7 +226,7 @@ def run_worker(rank, world_size, args):
               f"fc_norm={fc_norm:.6f} fc_in_sync={in_sync}")
     # else: trainers just wait for the master's RPCs, and the parameter server does nothing but serve
 
-    # block until all rpcs finish
+    # block until all rpcs finish (the tutorial's rpc.shutdown() alone waits forever for a peer that died)
     wait_for_peers(rank, args)
     rpc.shutdown(timeout=args.timeout)
     if dist.is_initialized():
@@ -236,8 +237,11 @@ def worker_name(rank, world_size):
     return "ps" if rank == world_size - 1 else "master" if rank == world_size - 2 else f"trainer{rank}"
 
 
-def parse_args(argv=None):
+def parse_args(argv=None):  # the tutorial has no flags: world size 4, 100 epochs of 10 batches, lr 0.05
     parser = argparse.ArgumentParser(description="DDP trainers, a remote embedding table and a master, over RPC",
+                                     epilog="For --world_size N: ranks 0 to N-3 are DDP trainers, rank N-2 the "
+                                     "master, rank N-1 the parameter server, so N must be at least 3 (one "
+                                     "trainer); the tutorial's 4 has two.",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
     add_common_flags(parser, world_size=4)
     parser.add_argument("--epochs", type=int, default=100, help="Training epochs on each trainer.")

@@ -181,17 +181,17 @@ class Agent:
 
 
 def run_worker(rank, world_size, args):
-    torch.manual_seed(args.seed + rank)
+    torch.manual_seed(args.seed + rank)  # the tutorial seeds only the environment: torch too, so --seed repeats a run
     torch.set_num_threads(1)  # the policy is tiny: a second intra-op thread only spins, and slows the other ranks
     # The tutorial sets MASTER_ADDR and MASTER_PORT; the options name rank 0's address and bound every wait. One RPC
     # thread on the agent: autograd sums gradients in an order set by the threads that built the graph (same --seed).
     options = backend_options(args, num_worker_threads=1 if rank == 0 else 16)
-    with deadline(rank, args):
+    with deadline(rank, args):  # one init_rpc for both roles, where the tutorial has one in each branch
         rpc.init_rpc(worker_name(rank, world_size), rank=rank, world_size=world_size, rpc_backend_options=options)
     if rank == 0:
         # Rank 0 is the agent
         agent = Agent(world_size, args)
-        limit = f" (or for at most {args.max_episodes} episodes)" if args.max_episodes else ""
+        limit = f" (or for at most {args.max_episodes} episodes)" if args.max_episodes else ""  # not in the tutorial
         print(f"This will run until reward threshold of {agent.reward_threshold} is reached{limit}.")
         start = time.perf_counter()
         for i_episode in count(1):
@@ -213,6 +213,7 @@ def run_worker(rank, world_size, args):
               f"us_per_step={seconds / agent.total_steps * 1e6:.0f} solved={str(solved).lower()}")
     # else: other ranks are observers; they wait passively for the agent's calls
 
+    # The tutorial's rpc.shutdown() alone waits forever for a peer that died: wait_for_peers first, and a time limit.
     wait_for_peers(rank, args)
     rpc.shutdown(timeout=args.timeout)
 
@@ -221,13 +222,15 @@ def worker_name(rank, world_size):
     return AGENT_NAME if rank == 0 else OBSERVER_NAME.format(rank)
 
 
-def parse_args(argv=None):
+def parse_args(argv=None):  # the tutorial parses at import; a function lets tests and users import the classes
     parser = argparse.ArgumentParser(description="RPC Reinforcement Learning Example",
+                                     epilog="Rank 0 is the agent; every other rank is an observer with its own "
+                                     "CartPole. --world_size must be at least 2 (the default, one observer).",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
     add_common_flags(parser, world_size=2)
     parser.add_argument("--log_interval", type=int, default=10, metavar="N", help="Episodes between status lines.")
     parser.add_argument("--gamma", type=float, default=0.99, metavar="G", help="How much to value future rewards.")
-    parser.add_argument("--lr", type=float, default=1e-2, help="Learning rate of Adam.")
+    parser.add_argument("--lr", type=float, default=1e-2, help="Learning rate of Adam.")  # the tutorial's, fixed
     parser.add_argument("--max_episodes", type=int, default=0, metavar="N",
                         help="Stop after N episodes even if not solved (0: run until solved, as the tutorial).")
     args = parser.parse_args(argv)
