@@ -31,7 +31,7 @@ def test_bad_arguments_exit_2(module, argv, problem, capsys, monkeypatch):
     for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):  # as if not started by torchrun
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(SystemExit) as exit_info:
-        importlib.import_module(module).main(argv)
+        importlib.import_module(module).parse_args(argv)
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("usage: "), err
