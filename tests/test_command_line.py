@@ -21,6 +21,8 @@ CASES = [
     ("rpc_parameter_server", ["--train_samples=-5"], "--train_samples must be 0 (all) or positive, got -5"),
     ("ddp_rpc_hybrid", ["--world_size=2"], "--world_size must be at least 3 (at least one trainer, the master and the parameter server), got 2"),
     ("ddp_rpc_hybrid", ["--batches_per_epoch=0"], "--batches_per_epoch must be positive, got 0"),
+    ("rpc_rnn_model_parallel", ["--epochs=0"], "--epochs must be positive, got 0"),
+    ("rpc_rnn_model_parallel", ["--batches_per_epoch=0"], "--batches_per_epoch must be positive, got 0"),
 ]
 
 
