@@ -4,7 +4,7 @@ import re
 import torch
 
 import ddp_rpc_hybrid as hybrid
-from conftest import DDP_EPOCHS, HANG, assert_succeeded, free_port, summary
+from conftest import DDP_EPOCHS, ROOT, assert_succeeded, free_port, summary, wait_all
 
 
 def trainer_losses(out, trainer):
@@ -53,30 +53,18 @@ def test_one_trainer_has_no_replica_to_compare(shared_runs):
     assert summary(shared_runs["ddp 3"].out)["fc_in_sync"] == "n/a", shared_runs["ddp 3"]
 
 
-# A rank as a user runs it, but through the script's main(), so that a test can first change how many GPUs torch
-# says this host has ({gpus}; None: leave it): RPC finds functions by module, so every rank of such a run goes
-# this way. Where the script then uses no GPU, nothing but its own question sees the change.
-RANK = """import os, sys
-os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # what the script sets for itself when run directly
-sys.path.insert(0, os.path.dirname(sys.argv[1]))
-import torch
-gpus = {gpus}
-if gpus is not None:
-    torch.cuda.device_count = lambda: gpus
-import ddp_rpc_hybrid
-ddp_rpc_hybrid.main(sys.argv[2:])
-"""
-
-
-def test_a_trainer_without_a_gpu_puts_every_trainer_on_the_cpu(run):
-    # trainer0's host has two GPUs (as torch tells that process only), trainer1's none (CUDA_VISIBLE_DEVICES="" for
-    # every rank, so on any host). DDP needs one device type in all replicas: both train on the CPU with Gloo, and
-    # each says why, instead of trainer0 choosing NCCL on its GPU and the group failing.
+def test_a_trainer_without_a_gpu_puts_every_trainer_on_the_cpu(run, tmp_path):
+    # trainer0 runs a copy of the script on a host that says it has two GPUs, trainer1 on one with none (no rank
+    # sees a real GPU: CUDA_VISIBLE_DEVICES=""). DDP needs one device type in all replicas: both train on the CPU
+    # with Gloo, and each says why, instead of trainer0 choosing NCCL on its GPU and the group failing.
+    two_gpus = tmp_path / "ddp_rpc_hybrid.py"
+    two_gpus.write_text((ROOT / "ddp_rpc_hybrid.py").read_text().replace(
+        "index < torch.cuda.device_count()", "index < 2", 1))
+    assert "index < 2" in two_gpus.read_text()
     common = ["--world_size=4", "--master_port", free_port(), "--epochs=2", "--timeout", 120]
-    ranks = [run("ddp_rpc_hybrid.py", *common, f"--rank={rank}", env={"CUDA_VISIBLE_DEVICES": ""},
-                 python_args=["-c", RANK.format(gpus=2 if rank == 0 else None)]) for rank in range(4)]
-    for proc in ranks:
-        proc.wait(HANG)
+    ranks = [run(two_gpus if rank == 0 else "ddp_rpc_hybrid.py", *common, f"--rank={rank}",
+                 env={"CUDA_VISIBLE_DEVICES": ""}) for rank in range(4)]
+    wait_all(ranks)
     assert_succeeded(*ranks)
     for trainer in (0, 1):
         line = rf"^trainer{trainer}: DDP on cpu with gloo \(no GPU for trainer1\)$"

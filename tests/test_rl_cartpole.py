@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import rpc_rl_cartpole as rl
-from conftest import RL_EPISODES, assert_no_traceback, assert_succeeded, free_port, in_rpc_group, summary
+from conftest import (HANG, RL_EPISODES, ROOT, assert_no_traceback, assert_succeeded, free_port, in_rpc_group,
+                      summary, wait_all)
 
 
 def episodes(out):
@@ -94,41 +95,28 @@ def test_observer_calls_the_agent_twice_per_step():
     in_rpc_group(check_observer_calls_the_agent_twice_per_step)
 
 
-# A rank as a user runs it, but through the script's main() (as benchmarks/timed_rank.py), so that a test can
-# change the agent first: RPC finds functions by module, so both ranks run this way. {slow} seconds: the agent's
-# fifth select_action answers that late, a slow agent on a busy machine (none: no change).
-RANK = """import os, sys, time
-os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # what the script sets for itself when run directly
-sys.path.insert(0, os.path.dirname(sys.argv[1]))
-import rpc_rl_cartpole as rl
-select_action, calls = rl.Agent.select_action, []
-def slow_select_action(self, ob_id, state):
-    calls.append(ob_id)
-    if len(calls) == 5:
-        time.sleep({slow})
-    return select_action(self, ob_id, state)
-if {slow}:
-    rl.Agent.select_action = slow_select_action
-rl.main(sys.argv[2:])
-"""
-
-
-def test_an_observer_call_that_times_out_stops_the_run(run):
-    # The observer's --timeout is shorter than the agent's answer takes. Its call must not end the episode quietly
-    # (the agent would then train on log-probs and rewards that do not match): the observer says why and ends,
-    # and the agent, which lost it, ends too. The observer starts once the agent listens, so that its short
-    # --timeout only bounds the call.
+def test_an_observer_call_that_times_out_stops_the_run(run, tmp_path):
+    # A copy of the script whose agent answers its fifth select_action late, as a slow agent on a busy machine
+    # would; the observer's --timeout is shorter. Its call must not end the episode quietly (the agent would then
+    # train on log-probs and rewards that do not match): the observer says why and ends, and the agent, which lost
+    # it, ends too. The observer starts once the agent listens, so that its short --timeout only bounds the call.
+    slow = tmp_path / "rpc_rl_cartpole.py"
+    slow.write_text((ROOT / "rpc_rl_cartpole.py").read_text().replace(
+        "    def select_action(self, ob_id, state):\n", "    def select_action(self, ob_id, state):\n"
+        "        self.calls = getattr(self, 'calls', 0) + 1\n        time.sleep(10 if self.calls == 5 else 0)\n", 1))
+    assert "self.calls == 5" in slow.read_text()
     short, port = 5, free_port()
     flags = ["--world_size=2", "--master_port", port, "--max_episodes=3"]
-    agent = run("rpc_rl_cartpole.py", *flags, "--rank=0", "--timeout", 60,
-                python_args=["-c", RANK.format(slow=short + 5)])
-    deadline = time.monotonic() + 120
-    while socket.socket().connect_ex(("localhost", port)) != 0:
+    agent = run(slow, *flags, "--rank=0", "--timeout", 60)
+    deadline = time.monotonic() + HANG
+    while True:
+        with socket.socket() as probe:
+            if probe.connect_ex(("localhost", port)) == 0:
+                break
         assert agent.proc.poll() is None and time.monotonic() < deadline, agent
         time.sleep(0.1)
-    observer = run("rpc_rl_cartpole.py", *flags, "--rank=1", "--timeout", short, python_args=["-c", RANK.format(slow=0)])
-    observer.wait(120)
-    agent.wait(120)
+    observer = run(slow, *flags, "--rank=1", "--timeout", short)
+    wait_all([observer, agent])
     assert observer.returncode == 1 and agent.returncode == 1, (agent, observer)
     assert_no_traceback(observer.err + agent.err)
     assert re.search(r"^Error on rank 1 \(obs1\): RuntimeError: .*timeout", observer.err, re.M), observer
