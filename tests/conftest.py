@@ -24,6 +24,8 @@ import torch.distributed.rpc as rpc
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # so tests can import the scripts' classes
+# The environment pytest was started with, the user's: before the tests import gymnasium, which sets a variable.
+USER_ENV = dict(os.environ)
 
 # The four scripts, as module names; each is the file ROOT / f"{name}.py".
 SCRIPTS = ["rpc_parameter_server", "rpc_rl_cartpole", "rpc_rnn_model_parallel", "ddp_rpc_hybrid"]
@@ -87,7 +89,7 @@ def summary(out, timings=True):
 
 
 class Run:
-    """`python SCRIPT ARGS...` started as a user would, with the test's environment (plus `env`), in a session of
+    """`python SCRIPT ARGS...` started as a user would, with the user's environment (plus `env`), in a session of
     its own so that a test can signal or kill all it started; in network namespace `netns` if given (`ip netns
     exec`); `python_args` go between python and the script (-m torch.distributed.run ...). Output is read as it
     comes."""
@@ -96,7 +98,7 @@ class Run:
         self.started, self.cwd = time.monotonic(), Path(cwd)
         prefix = ["ip", "netns", "exec", netns] if netns else []
         self.proc = subprocess.Popen([*prefix, sys.executable, *python_args, str(ROOT / script), *map(str, args)],
-                                     cwd=cwd, env={**os.environ, **(env or {})}, stdin=subprocess.DEVNULL,
+                                     cwd=cwd, env={**USER_ENV, **(env or {})}, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
         self.pid = self.proc.pid
         self._out, self._err = [], []

@@ -9,6 +9,7 @@ from conftest import (RNN_EPOCHS, ROOT, SCRIPTS, assert_succeeded, free_port, ow
 
 IMPORT_ONLY = """
 import contextlib, io, os, sys, threading
+import gymnasium, torch  # what the scripts import, and what that does (gymnasium sets a variable), first
 sys.path.insert(0, sys.argv[1])
 environment = dict(os.environ)
 
