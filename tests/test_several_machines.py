@@ -12,7 +12,7 @@ import pytest
 from conftest import Run, assert_no_traceback, free_port, stop_all, summary, tiny_mnist_flags, wait_all
 
 TIMEOUT = 10  # --timeout of the runs whose machine vanishes: how long a rank waits for an answer
-VANISHED = 3 * (TIMEOUT + 5)  # every process has ended within this of the link going down (seen: TIMEOUT + 1.1 s)
+VANISHED = 3 * (TIMEOUT + 5)  # every process has ended within this of the link going down (seen: 10.0-10.9 s)
 LATE = 2  # seconds that a rank started by hand waits for the next one before it is started
 SIZES = 5  # --timeout of the two ranks of different --world_size: they never meet
 HANG = 240  # a run's own limit: only keeps a hang from running forever
@@ -61,7 +61,7 @@ def test_a_vanished_machine_ends_every_process_on_both(run, two_hosts, tiny_mnis
     down = time.monotonic()
     wait_all([proc for ranks in runs for proc in ranks], VANISHED)
     assert time.monotonic() - down < VANISHED
-    for (script, world_size, _, _, _), ranks in zip(VANISHING, runs):
+    for (script, *_), ranks in zip(VANISHING, runs):
         for rank, proc in enumerate(ranks):
             line = one_error_line(proc)
             lost = re.search(r"lost contact with rank (\d+) \((\w+)\)", line)
@@ -74,8 +74,8 @@ def test_a_vanished_machine_ends_every_process_on_both(run, two_hosts, tiny_mnis
 def by_hand(tmp_path_factory):
     """Ranks started one terminal each, side by side, all ended before any test reads them. A dict of lists of
     runs: "late", the RNN's rank 0 as the README starts it (no --timeout) and its rank 1 started LATE s after
-    rank 0 said what it waits for, at "late port"; "scripts", the RNN's rank 0 and CartPole's rank 1 on one port; "sizes",
-    CartPole's rank 0 at --world_size 2 and its rank 1 at 3 on one port."""
+    rank 0 said what it waits for, on port "late port"; "scripts", the RNN's rank 0 and CartPole's rank 1 on one
+    port; "sizes", CartPole's rank 0 at --world_size 2 and its rank 1 at 3 on one port."""
     started = []
 
     def start(script, *args):
