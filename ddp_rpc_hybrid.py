@@ -61,12 +61,13 @@ class HybridModel(nn.Module):
     parameter server.
     """
 
-    def __init__(self, remote_emb_module, device):
+    def __init__(self, remote_emb_module, device, process_group=None):
         super().__init__()
         self.remote_emb_module = remote_emb_module
-        # The tutorial always calls .cuda(device); on the CPU, DDP takes no device_ids.
+        # The tutorial always calls .cuda(device); on the CPU, DDP takes no device_ids. process_group: see ddp_device.
         device_ids = [device] if device.type == "cuda" else None
-        self.fc = DDP(nn.Linear(EMBEDDING_DIM, NUM_CLASSES).to(device), device_ids=device_ids)
+        self.fc = DDP(nn.Linear(EMBEDDING_DIM, NUM_CLASSES).to(device), device_ids=device_ids,
+                      process_group=process_group)
         self.device = device
 
     def forward(self, indices, offsets):
@@ -74,12 +75,27 @@ class HybridModel(nn.Module):
         return self.fc(emb_lookup.to(self.device))
 
 
-def trainer_device(rank, world_size):
-    # The tutorial's cuda:rank (here LOCAL_RANK under torchrun) where every trainer has a GPU of its own, else the
-    # CPU: the tutorial fails without a GPU, and NCCL with two trainers on one.
-    if torch.cuda.device_count() >= world_size - 2:
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
-    return torch.device("cpu")
+def ddp_device(rank, args):
+    """Where this trainer's DDP runs: every trainer on its own GPU with NCCL, or every trainer on the CPU with
+    the tutorial's Gloo (DDP needs one device type and one backend in all its replicas; the tutorial needs GPUs).
+    A collective: every trainer calls it, and learns over the Gloo group which trainers have their GPU."""
+    # The tutorial's cuda:rank. Under torchrun, and for ranks started by hand, LOCAL_RANK where it is set, so that
+    # trainers on several hosts each count their own GPUs; a one-command run numbers them by rank, whatever
+    # LOCAL_RANK it inherited (all on one GPU: NCCL refuses).
+    index = rank if args.rank is None else int(os.environ.get("LOCAL_RANK", rank))
+    has_gpu = [None] * dist.get_world_size()
+    dist.all_gather_object(has_gpu, index < torch.cuda.device_count())
+    if all(has_gpu):
+        device = torch.device("cuda", index)
+        torch.cuda.set_device(device)  # the current device is per thread, and RPC runs this in one of its own
+        # NCCL, the backend for GPUs, where the tutorial keeps Gloo; it needs a GPU in every process, only now known.
+        process_group = dist.new_group(backend="nccl")
+        print(f"trainer{rank}: DDP on {device} with nccl")  # not in the tutorial, whose device is always cuda:rank
+        return device, process_group
+    without = [f"trainer{trainer}" for trainer, ok in enumerate(has_gpu) if not ok]
+    why = f" (no GPU for {', '.join(without)})" if any(has_gpu) else ""  # some have one: say why it is not used
+    print(f"trainer{rank}: DDP on cpu with gloo{why}")
+    return torch.device("cpu"), None  # None: DDP uses the default group, the tutorial's Gloo
 
 
 def get_next_batch(generator, batches, device):
@@ -109,12 +125,10 @@ def _run_trainer(remote_emb_module, rank, args):
     propagated to the parameter server.
     """
     try:
-        device = trainer_device(rank, args.world_size)
-        if device.type == "cuda":  # the current device is per thread, and RPC runs this in one of its own
-            torch.cuda.set_device(device)
+        device, process_group = ddp_device(rank, args)
 
         # Setup the model.
-        model = HybridModel(remote_emb_module, device)
+        model = HybridModel(remote_emb_module, device, process_group)
 
         # Retrieve all model parameters as rrefs for DistributedOptimizer.
         # Retrieve parameters for embedding table.
@@ -128,7 +142,7 @@ def _run_trainer(remote_emb_module, rank, args):
             model_parameter_rrefs.append(RRef(param))
 
         # Setup distributed optimizer
-        opt = DistributedOptimizer(optim.SGD, model_parameter_rrefs, lr=args.lr)
+        opt = DistributedOptimizer(optim.SGD, model_parameter_rrefs, lr=args.lr)  # --lr: the tutorial's 0.05
 
         criterion = nn.CrossEntropyLoss()
         # Each trainer draws its own batches (the tutorial: Python's random module), as DDP expects of its workers.
@@ -136,7 +150,7 @@ def _run_trainer(remote_emb_module, rank, args):
         batches = get_next_batch(generator, args.epochs * args.batches_per_epoch, device)
 
         epoch_losses = []
-        for epoch in range(args.epochs):
+        for epoch in range(args.epochs):  # the tutorial's 100 epochs of 10 batches, as flags
             losses = []
             for _ in range(args.batches_per_epoch):
                 indices, offsets, target = next(batches)
@@ -171,20 +185,18 @@ def run_worker(rank, world_size, args):
     A wrapper function that initializes RPC, calls the function, and shuts down
     RPC.
     """
-    torch.manual_seed(args.seed + rank)
-    trainers = range(world_size - 2)
+    torch.manual_seed(args.seed + rank)  # the tutorial seeds nothing; with this, --seed fixes the initial weights
+    trainers = range(world_size - 2)  # the tutorial's ranks 0 and 1; here all below the master, for any world size
     # The tutorial sets MASTER_ADDR and ports 29500 (DDP) and 29501 (RPC). Here both meet on --master_port: torch's
     # store serves the two groups at once (DDP's keys under a prefix), so one free port, or --master_addr, does.
     if rank in trainers:
-        # Initialize process group for Distributed DataParallel on trainers.
-        device = trainer_device(rank, world_size)
-        backend = dist.get_default_backend_for_device(device)  # the tutorial's gloo, or NCCL for CUDA tensors
+        # Initialize process group for Distributed DataParallel on trainers (Gloo, which every trainer has: where
+        # all have a GPU, ddp_device adds an NCCL group for DDP).
         with deadline(rank, args):
             # Not in the tutorial: a timeout, or a collective waits 30 minutes for a trainer whose machine vanished.
-            dist.init_process_group(backend=backend, rank=rank, world_size=len(trainers),
+            dist.init_process_group(backend="gloo", rank=rank, world_size=len(trainers),
                                     init_method=f"tcp://{args.master_addr}:{args.master_port}",
                                     timeout=datetime.timedelta(seconds=args.meet_timeout))
-        print(f"trainer{rank}: DDP on {device} with {backend}")
 
     # Initialize RPC on every rank (the tutorial repeats this call in each of the three branches).
     with deadline(rank, args):
@@ -210,14 +222,15 @@ def run_worker(rank, world_size, args):
         # Not in the tutorial: a check that DDP kept the replicas equal, and one key=value line for people and scripts.
         first = results[0][1]
         in_sync = all(torch.equal(weights[name], first[name]) for _, weights in results for name in first)
+        in_sync = str(in_sync).lower() if len(results) > 1 else "n/a"  # one trainer: no other replica to compare
         # A norm, not a sum: SGD on a cross-entropy loss never changes the sum of the last layer's weights.
         fc_norm = torch.cat([tensor.flatten() for tensor in first.values()]).norm()
         final_losses = " ".join(f"trainer{i}_loss={losses[-1]:.4f}" for i, (losses, _) in enumerate(results))
         print(f"Summary: epochs={args.epochs} seconds={time.perf_counter() - start:.2f} {final_losses} "
-              f"fc_norm={fc_norm:.6f} fc_in_sync={str(in_sync).lower()}")
+              f"fc_norm={fc_norm:.6f} fc_in_sync={in_sync}")
     # else: trainers just wait for the master's RPCs, and the parameter server does nothing but serve
 
-    # block until all rpcs finish
+    # block until all rpcs finish (the tutorial's rpc.shutdown() alone waits forever for a peer that died)
     wait_for_peers(rank, args)
     rpc.shutdown(timeout=args.timeout)
     if dist.is_initialized():
@@ -228,8 +241,11 @@ def worker_name(rank, world_size):
     return "ps" if rank == world_size - 1 else "master" if rank == world_size - 2 else f"trainer{rank}"
 
 
-def parse_args(argv=None):
+def parse_args(argv=None):  # the tutorial has no flags: world size 4, 100 epochs of 10 batches, lr 0.05
     parser = argparse.ArgumentParser(description="DDP trainers, a remote embedding table and a master, over RPC",
+                                     epilog="For --world_size N: ranks 0 to N-3 are DDP trainers, rank N-2 the "
+                                     "master, rank N-1 the parameter server, so N must be at least 3 (one "
+                                     "trainer); the tutorial's 4 has two.",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
     add_common_flags(parser, world_size=4)
     parser.add_argument("--epochs", type=int, default=100, help="Training epochs on each trainer.")

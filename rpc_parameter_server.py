@@ -145,10 +145,12 @@ def run_parameter_server(rank, world_size, args):
         rpc.init_rpc(worker_name(rank, world_size), rank=rank, world_size=world_size,
                      rpc_backend_options=backend_options(args, num_worker_threads=4))
     print("RPC initialized! Running parameter server...")
+    # The tutorial: "rpc.shutdown() will wait for all workers to complete by default", which it does forever for a
+    # trainer that died. wait_for_peers waits for every trainer, watching each, and then shutdown has a time limit.
     wait_for_peers(rank, args)
     rpc.shutdown(timeout=args.timeout)
     print("RPC shutdown on parameter server.")
-    if args.save_model and param_server is not None:
+    if args.save_model and param_server is not None:  # not in the tutorial, whose training is lost at exit
         torch.save(param_server.model.state_dict(), args.save_model)
         print(f"Saved the trained model's state_dict to {args.save_model}")
 
@@ -170,13 +172,14 @@ class TrainerNet(nn.Module):
         return remote_method(ParameterServer.forward, self.param_server_rref, x, self.training)
 
 
+# epochs, lr and log_interval: the tutorial's fixed 1, 0.03 and 5, here from the command line.
 def run_training_loop(rank, num_gpus, train_loader, test_loader, epochs=1, lr=0.03, log_interval=5):
     # Runs the typical neural network forward + backward + optimizer step, but in a distributed fashion.
     net = TrainerNet(num_gpus=num_gpus)
     param_rrefs = net.get_global_param_rrefs()
     opt = DistributedOptimizer(optim.SGD, param_rrefs, lr=lr)  # Build DistributedOptimizer.
     start = time.perf_counter()
-    for epoch in range(epochs):
+    for epoch in range(epochs):  # the tutorial trains one epoch: --epochs for more
         for i, (data, target) in enumerate(train_loader):
             with dist_autograd.context() as cid:
                 model_output = net(data)
@@ -206,7 +209,7 @@ def get_accuracy(test_loader, model):
     device = torch.device("cuda:0" if model.num_gpus > 0 and torch.cuda.is_available() else "cpu")
     with torch.no_grad():
         for data, target in test_loader:
-            out = model(data)
+            out = model(data)  # the tutorial's model(data, -1) passes an argument TrainerNet.forward does not take
             pred = out.argmax(dim=1, keepdim=True)
             pred, target = pred.to(device), target.to(device)
             correct_sum += pred.eq(target.view_as(pred)).sum().item()
@@ -217,19 +220,19 @@ def get_accuracy(test_loader, model):
 
 # Main loop for trainers. The launcher below calls it for every rank, with flags for num_gpus and the loaders.
 def run_worker(rank, world_size, args):
-    torch.manual_seed(args.seed + rank)
+    torch.manual_seed(args.seed + rank)  # the tutorial seeds nothing; with this, --seed repeats a one-trainer run
     if rank == 0:
         return run_parameter_server(rank, world_size, args)
     print(f"Worker rank {rank} initializing RPC")
     torch.set_num_threads(1)  # a trainer only computes the loss: a second thread would spin against the server's
-    with deadline(rank, args):
+    with deadline(rank, args):  # options and deadline: as in run_parameter_server
         rpc.init_rpc(worker_name(rank, world_size), rank=rank, world_size=world_size,
                      rpc_backend_options=backend_options(args))
     print(f"Worker {rank} done initializing RPC")
     # After init_rpc, not before as in the tutorial: a download holds up no peer's --timeout.
     train_loader, test_loader = load_mnist(args, rank)
     run_training_loop(rank, args.num_gpus, train_loader, test_loader, args.epochs, args.lr, args.log_interval)
-    wait_for_peers(rank, args)
+    wait_for_peers(rank, args)  # see run_parameter_server
     rpc.shutdown(timeout=args.timeout)
 
 
@@ -273,15 +276,19 @@ def worker_name(rank, world_size):
     return "parameter_server" if rank == 0 else f"trainer_{rank}"
 
 
-def parse_args(argv=None):
+def parse_args(argv=None):  # the tutorial parses at import; a function lets tests and users import the classes
     parser = argparse.ArgumentParser(description="Parameter-Server RPC based training",
+                                     epilog="Rank 0 is the parameter server, every other rank a trainer: "
+                                     "--world_size must be at least 2 (the default 4: three trainers).",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
     add_common_flags(parser, world_size=4)
     parser.add_argument("--num_gpus", type=int, default=0, help="GPUs to use for training, between 0 and 2.")
+    # Not in the tutorial, which trains one epoch on all of MNIST from ../data, lr 0.03, batch 32, a line per 5:
     parser.add_argument("--epochs", type=int, default=1, help="Epochs each trainer runs.")
     parser.add_argument("--lr", type=float, default=0.03, help="Learning rate of SGD.")
     parser.add_argument("--log_interval", type=int, default=5, help="Batches between loss lines.")
     parser.add_argument("--batch_size", type=int, default=32, help="Batch size.")
+    # ./data, not the tutorial's ../data, which is outside the folder the user runs the script in.
     parser.add_argument("--data_dir", default="./data", help="Folder that holds (or receives) MNIST/raw/.")
     parser.add_argument("--download", action=argparse.BooleanOptionalAction, default=True, help="Get MNIST if missing.")
     parser.add_argument("--train_samples", type=int, default=0, help="Use only the first N training images (0: all).")
@@ -291,7 +298,7 @@ def parse_args(argv=None):
     check_common_args(parser, args)
     if args.world_size < 2:
         parser.error(f"--world_size must be at least 2 (one parameter server and a trainer), got {args.world_size}")
-    if not 0 <= args.num_gpus <= 2:
+    if not 0 <= args.num_gpus <= 2:  # the tutorial's assert lets 3 through, though its message says 0-2
         parser.error(f"--num_gpus must be between 0 and 2, got {args.num_gpus}")
     for flag in ("epochs", "lr", "log_interval", "batch_size", "train_samples", "test_samples"):
         samples, value = flag.endswith("samples"), getattr(args, flag)

@@ -66,48 +66,47 @@ class Policy(nn.Module):
 
 
 class Observer:
-    def __init__(self, seed):
+    def __init__(self, args):
         self.id = rpc.get_worker_info().id
         self.env = gym.make("CartPole-v1")
+        self.args = args  # the tutorial's args are a module-level global; here the agent passes them in
         # The tutorial's env.seed(args.seed) gives every observer the same episodes; gymnasium seeds at reset, by rank.
-        self.env.reset(seed=seed + self.id)
+        self.env.reset(seed=args.seed + self.id)
 
     def run_episode(self, agent_rref):
-        state, _ = self.env.reset()  # gymnasium: reset returns (state, info); step, five values (see below)
-        rewards = []
-        for _ in range(10000):
-            # Send state to agent and get action back
-            try:
+        try:
+            state, _ = self.env.reset()  # gymnasium: reset returns (state, info); step, five values (see below)
+            for _ in range(10000):
+                # Send state to agent and get action back
                 action = agent_rref.rpc_sync().select_action(self.id, state)
-            except RuntimeError as exc:  # Not in the tutorial: if the agent is gone, end quietly (torch prints a
-                if "On WorkerInfo" in str(exc):  # traceback for an RPC that raises) and let wait_for_peers say so;
-                    raise  # an exception raised on the agent goes on as it is
-                return
 
-            # Apply action to environment
-            state, reward, terminated, truncated, _ = self.env.step(action)  # gym's done: terminated or truncated
-            rewards.append(reward)
+                # Apply action to environment
+                state, reward, terminated, truncated, _ = self.env.step(action)  # gym's done: terminated or truncated
 
-            if terminated or truncated:
-                break
-        # Report rewards to agent for training: the tutorial sends each reward in an RPC of its own, two round
-        # trips per step; the agent uses them only after the episode, so one call at its end carries them all.
-        agent_rref.rpc_sync().report_reward(self.id, rewards)
+                # Report reward to agent for training
+                agent_rref.rpc_sync().report_reward(self.id, reward)
+
+                if terminated or truncated:
+                    break
+        except Exception as exc:  # torch would print this RPC's traceback here: one line instead (--debug: both),
+            if not self.args.debug:  # and this observer ends, so the agent stops too rather than train on a cut episode
+                fail(self.id, self.args, describe(exc))
+            raise
 
 
 # --------- Agent --------------------
 
 
 class Agent:
-    def __init__(self, world_size, gamma=0.99, lr=1e-2, seed=1):
+    def __init__(self, world_size, args):  # the tutorial's Agent(world_size) reads the global args
         self.ob_rrefs = []
         self.agent_rref = RRef(self)
         self.rewards = {}
         self.saved_log_probs = {}
         self.policy = Policy()
-        self.optimizer = optim.Adam(self.policy.parameters(), lr=lr)
-        self.gamma = gamma
-        self.eps = torch.finfo(torch.float32).eps
+        self.optimizer = optim.Adam(self.policy.parameters(), lr=args.lr)  # the tutorial's 1e-2, now a flag
+        self.gamma = args.gamma
+        self.eps = torch.finfo(torch.float32).eps  # the tutorial's numpy eps: the same number, one import fewer
         self.running_reward = 0
         self.reward_threshold = gym.make("CartPole-v1").spec.reward_threshold
         self.total_steps = 0  # for the Summary line
@@ -115,7 +114,7 @@ class Agent:
         # Initialize remote observers
         for ob_rank in range(1, world_size):
             ob_info = rpc.get_worker_info(OBSERVER_NAME.format(ob_rank))
-            self.ob_rrefs.append(remote(ob_info, Observer, args=(seed,)))
+            self.ob_rrefs.append(remote(ob_info, Observer, args=(args,)))
             self.rewards[ob_info.id] = []
             self.saved_log_probs[ob_info.id] = []
 
@@ -127,8 +126,8 @@ class Agent:
         self.saved_log_probs[ob_id].append(m.log_prob(action))
         return action.item()
 
-    def report_reward(self, ob_id, rewards):
-        self.rewards[ob_id].extend(rewards)
+    def report_reward(self, ob_id, reward):
+        self.rewards[ob_id].append(reward)
 
     def run_episode(self):
         futs = []
@@ -183,17 +182,17 @@ class Agent:
 
 
 def run_worker(rank, world_size, args):
-    torch.manual_seed(args.seed + rank)
+    torch.manual_seed(args.seed + rank)  # the tutorial seeds only the environment: torch too, so --seed repeats a run
     torch.set_num_threads(1)  # the policy is tiny: a second intra-op thread only spins, and slows the other ranks
     # The tutorial sets MASTER_ADDR and MASTER_PORT; the options name rank 0's address and bound every wait. One RPC
     # thread on the agent: autograd sums gradients in an order set by the threads that built the graph (same --seed).
     options = backend_options(args, num_worker_threads=1 if rank == 0 else 16)
-    with deadline(rank, args):
+    with deadline(rank, args):  # one init_rpc for both roles, where the tutorial has one in each branch
         rpc.init_rpc(worker_name(rank, world_size), rank=rank, world_size=world_size, rpc_backend_options=options)
     if rank == 0:
         # Rank 0 is the agent
-        agent = Agent(world_size, args.gamma, args.lr, args.seed)
-        limit = f" (or for at most {args.max_episodes} episodes)" if args.max_episodes else ""
+        agent = Agent(world_size, args)
+        limit = f" (or for at most {args.max_episodes} episodes)" if args.max_episodes else ""  # not in the tutorial
         print(f"This will run until reward threshold of {agent.reward_threshold} is reached{limit}.")
         start = time.perf_counter()
         for i_episode in count(1):
@@ -215,6 +214,7 @@ def run_worker(rank, world_size, args):
               f"us_per_step={seconds / agent.total_steps * 1e6:.0f} solved={str(solved).lower()}")
     # else: other ranks are observers; they wait passively for the agent's calls
 
+    # The tutorial's rpc.shutdown() alone waits forever for a peer that died: wait_for_peers first, and a time limit.
     wait_for_peers(rank, args)
     rpc.shutdown(timeout=args.timeout)
 
@@ -223,13 +223,15 @@ def worker_name(rank, world_size):
     return AGENT_NAME if rank == 0 else OBSERVER_NAME.format(rank)
 
 
-def parse_args(argv=None):
+def parse_args(argv=None):  # the tutorial parses at import; a function lets tests and users import the classes
     parser = argparse.ArgumentParser(description="RPC Reinforcement Learning Example",
+                                     epilog="Rank 0 is the agent; every other rank is an observer with its own "
+                                     "CartPole. --world_size must be at least 2 (the default, one observer).",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
     add_common_flags(parser, world_size=2)
     parser.add_argument("--log_interval", type=int, default=10, metavar="N", help="Episodes between status lines.")
     parser.add_argument("--gamma", type=float, default=0.99, metavar="G", help="How much to value future rewards.")
-    parser.add_argument("--lr", type=float, default=1e-2, help="Learning rate of Adam.")
+    parser.add_argument("--lr", type=float, default=1e-2, help="Learning rate of Adam.")  # the tutorial's, fixed
     parser.add_argument("--max_episodes", type=int, default=0, metavar="N",
                         help="Stop after N episodes even if not solved (0: run until solved, as the tutorial).")
     args = parser.parse_args(argv)

@@ -83,6 +83,8 @@ class Decoder(nn.Module):
 
 
 # --------- Helper Methods --------------------
+# The tutorial's _remote_method calls local_value() on the trainer, which does not own the RRef (and takes its
+# arguments in another order than its callers): it fails. These two, from pytorch/examples, run it on the owner.
 
 
 def _call_method(method, rref, *args, **kwargs):
@@ -216,26 +218,25 @@ def worker_name(rank, world_size):
 
 
 def run_worker(rank, world_size, args):
-    r"""
-    A wrapper function that initializes RPC, calls the function, and shuts down
-    RPC.
-    """
-    torch.manual_seed(args.seed + rank)
+    r"""A wrapper function that initializes RPC, calls the function, and shuts down RPC."""
+    torch.manual_seed(args.seed + rank)  # the tutorial seeds nothing; with this, --seed repeats a run
     # The tutorial sets MASTER_ADDR and MASTER_PORT; the options name rank 0's address and bound every wait.
     options = backend_options(args)
-    with deadline(rank, args):
+    with deadline(rank, args):  # one init_rpc for both roles, where the tutorial has one in each branch
         rpc.init_rpc(worker_name(rank, world_size), rank=rank, world_size=world_size, rpc_backend_options=options)
     if rank == 1:
         run_trainer(args)
     # else: the parameter server does nothing but wait for the trainer's RPCs
 
-    # block until all rpcs finish
+    # The tutorial's rpc.shutdown() alone waits forever for a peer that died: wait_for_peers first, and a time limit.
     wait_for_peers(rank, args)
     rpc.shutdown(timeout=args.timeout)
 
 
-def parse_args(argv=None):
+def parse_args(argv=None):  # the tutorial has no flags: world size 2, 10 epochs of 5 batches, fixed sizes
     parser = argparse.ArgumentParser(description="RPC-based distributed RNN (model parallel) training",
+                                     epilog="Rank 0 is the parameter server (embedding table and decoder), rank 1 "
+                                     "the trainer (LSTM): --world_size must be 2.",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
     add_common_flags(parser, world_size=2)
     parser.add_argument("--epochs", type=int, default=10, help="Training epochs.")
@@ -247,11 +248,14 @@ def parse_args(argv=None):
     parser.add_argument("--nhid", type=int, default=256, help="LSTM hidden size.")
     parser.add_argument("--nlayers", type=int, default=1, help="LSTM layers.")
     parser.add_argument("--dropout", type=float, default=0.0, help="Dropout of the embedding, decoder and LSTM.")
-    parser.add_argument("--lr", type=float, default=0.05, help="Learning rate of SGD.")
+    parser.add_argument("--lr", type=float, default=0.05, help="Learning rate of SGD.")  # the tutorial's 0.05
     args = parser.parse_args(argv)
     check_common_args(parser, args)
     if args.world_size != 2:
         parser.error(f"--world_size must be 2 (the parameter server and one trainer), got {args.world_size}")
+    for flag in ("epochs", "batches_per_epoch"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag} must be positive, got {getattr(args, flag)}")
     if not 0 <= args.dropout < 1:
         parser.error(f"--dropout must be in [0, 1), got {args.dropout}")
     return args

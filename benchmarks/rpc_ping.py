@@ -1,19 +1,20 @@
-"""A no-op rpc_sync round trip between two fresh processes, on the transport the scripts use; and the same
-no-op called the way the CartPole tutorial calls its agent, through an RRef.
+"""Two no-op calls per step through an RRef fork, as the CartPole tutorial's observer calls its agent, between two
+fresh processes on the transport the scripts use.
 
-    python benchmarks/rpc_ping.py --rank=0 --master_port=PORT &
-    python benchmarks/rpc_ping.py --rank=1 --master_port=PORT [--calls 2000] [--transports default]
+    python benchmarks/rpc_ping.py --rank=0 --master_port=PORT [--calls 2000] [--transports default] &
+    python benchmarks/rpc_ping.py --rank=1 --master_port=PORT
 
-Rank 1 calls a function on rank 0 that does nothing, --warmup times untimed and then --calls times, one at a
-time. Then it does the same through `rref.rpc_sync().noop()` on an RRef of an object that rank 0 owns, as the
-observer's `agent_rref.rpc_sync().select_action(...)` does. It prints
-`Ping: calls=N seconds=... us_per_call=... rref_us_per_call=...`. The difference is what torch's RRef protocol
-adds to each call: the proxy sends the RRef itself as an argument, and its owner then confirms the new fork to
-the caller (RREF_CHILD_ACCEPT, and the caller's answer), two messages more per call. Both ranks set up RPC as rpc_rl_cartpole.py's
-agent (rank 0) and observer (rank 1) do: the script's own backend_options (TensorPipe, TCP only:
-_transports=["uv"]), one RPC thread on rank 0 and TensorPipe's 16 on rank 1, one intra-op thread each. So one
-call is the least one CartPole step can pay for its round trip to the agent. --transports default (on both
-ranks) leaves out _transports, so TensorPipe adds its shared-memory transport: not what the scripts run.
+Rank 0 plays the agent: it owns an object and an RRef to it, and sends the RRef to rank 1 in an RPC, as the
+agent sends agent_rref to each observer's run_episode. Rank 1 plays the observer: holding that fork, it calls
+`rref.rpc_sync().noop()` twice per step (the tutorial's select_action and report_reward), --warmup steps
+untimed and then --calls steps timed, one call at a time, and returns the time. Rank 0 prints
+`Ping: steps=N seconds=... us_per_call=... us_per_step=...`; us_per_step (two calls) is the least one CartPole
+step over RPC can add to the same step in one process.
+
+Both ranks set up RPC as rpc_rl_cartpole.py's agent (rank 0) and observer (rank 1) do: the script's own
+backend_options (TensorPipe, TCP only: _transports=["uv"]), one RPC thread on rank 0 and TensorPipe's 16 on
+rank 1, one intra-op thread each. --transports default (on both ranks) leaves out _transports, so TensorPipe
+adds its shared-memory transport: not what the scripts run.
 """
 import argparse
 import os
@@ -23,23 +24,21 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def noop():
-    return None
-
-
 class Target:
     def noop(self):
         return None
 
 
-def timed(call, args):
-    """Microseconds per call: --warmup untimed calls, then --calls timed ones, one at a time."""
-    for _ in range(args.warmup):
-        call()
+def time_steps(rref, steps, warmup):
+    """On rank 1, in an RPC thread as the observer's run_episode: seconds for `steps` steps of two calls each."""
+    for _ in range(warmup):
+        rref.rpc_sync().noop()
+        rref.rpc_sync().noop()
     start = time.perf_counter()
-    for _ in range(args.calls):
-        call()
-    return 1e6 * (time.perf_counter() - start) / args.calls
+    for _ in range(steps):
+        rref.rpc_sync().noop()
+        rref.rpc_sync().noop()
+    return time.perf_counter() - start
 
 
 def main(argv=None):
@@ -47,8 +46,8 @@ def main(argv=None):
     parser.add_argument("--rank", type=int, required=True, choices=(0, 1))
     parser.add_argument("--master_addr", default="localhost")
     parser.add_argument("--master_port", type=int, default=29500)
-    parser.add_argument("--calls", type=int, default=2000, help="timed calls")
-    parser.add_argument("--warmup", type=int, default=200, help="untimed calls first")
+    parser.add_argument("--calls", type=int, default=2000, help="timed steps of two calls each")
+    parser.add_argument("--warmup", type=int, default=200, help="untimed steps first")
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--transports", choices=("script", "default"), default="script",
                         help="the scripts' (TCP only), or TensorPipe's defaults (adds shared memory, which busy-polls)")
@@ -70,13 +69,11 @@ def main(argv=None):
                                                   rpc_timeout=args.timeout, num_worker_threads=threads)
     with rl.deadline(args.rank, script_args):
         rpc.init_rpc(f"ping{args.rank}", rank=args.rank, world_size=2, rpc_backend_options=options)
-    if args.rank == 1:
-        us_per_call = timed(lambda: rpc.rpc_sync("ping0", noop), args)
-        target = rpc.remote("ping0", Target)  # owned by rank 0, as the agent owns agent_rref
-        rref_us_per_call = timed(lambda: target.rpc_sync().noop(), args)
-        print(f"Ping: calls={args.calls} seconds={us_per_call * args.calls / 1e6:.4f} us_per_call={us_per_call:.1f} "
-              f"rref_us_per_call={rref_us_per_call:.1f}", flush=True)
-        del target  # released before shutdown, as the script's observers drop agent_rref
+    if args.rank == 0:
+        target = rpc.RRef(Target())  # owned here, as the agent owns agent_rref
+        seconds = rpc.rpc_sync("ping1", time_steps, args=(target, args.calls, args.warmup), timeout=0)
+        print(f"Ping: steps={args.calls} seconds={seconds:.4f} us_per_call={1e6 * seconds / args.calls / 2:.1f} "
+              f"us_per_step={1e6 * seconds / args.calls:.1f}", flush=True)
     rpc.shutdown(timeout=args.timeout)
 
 

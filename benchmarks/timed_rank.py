@@ -20,8 +20,9 @@ Clocks per script and role:
   Parameter server: its forward passes (ParameterServer.forward in training mode) and its part of each
   distributed backward pass (from the gradient of its output arriving to that of conv1's weight, the last it
   computes).
-- rpc_rl_cartpole.py, observer: per episode, reset, select_action (the agent_rref.rpc_sync().select_action
-  round trip), env_step and report (the report_reward call); agent: its own select_action and finish_episode.
+- rpc_rl_cartpole.py, observer: per episode, reset, env_step and calls (each step's two round trips to the
+  agent, agent_rref.rpc_sync().select_action and .report_reward); agent: its own select_action and
+  finish_episode.
 """
 import contextlib
 import importlib
@@ -151,8 +152,8 @@ def clock_rl_cartpole(rl, rank):
     clock, steps = PhaseClock(), [0]
     observer_init, run_episode = rl.Observer.__init__, rl.Observer.run_episode
 
-    def timed_init(self, seed):
-        observer_init(self, seed)  # its first reset (the seed) untimed, as the script's start-up
+    def timed_init(self, args):
+        observer_init(self, args)  # its first reset (the seed) untimed, as the script's start-up
         reset, step = self.env.reset, self.env.step
 
         def timed_reset(*args, **kwargs):
@@ -161,7 +162,7 @@ def clock_rl_cartpole(rl, rank):
             return result
 
         def timed_step(action):
-            clock.mark("select_action")  # since the last step: the round trip to the agent for this action
+            clock.mark("calls")  # since the last step: its report_reward, then select_action for this one
             result = step(action)
             clock.mark("env_step")
             steps[0] += 1
@@ -172,7 +173,7 @@ def clock_rl_cartpole(rl, rank):
     def timed_run_episode(self, agent_rref):
         clock.restart()  # between episodes the observer waits for the agent: not its time
         run_episode(self, agent_rref)
-        clock.mark("report")  # since the last step: the report_reward call
+        clock.mark("calls")  # since the last step: its report_reward
 
     rl.Observer.__init__, rl.Observer.run_episode = timed_init, timed_run_episode
     return lambda: f"role=observer steps={steps[0]} " + " ".join(

@@ -21,6 +21,8 @@ CASES = [
     ("rpc_parameter_server", ["--train_samples=-5"], "--train_samples must be 0 (all) or positive, got -5"),
     ("ddp_rpc_hybrid", ["--world_size=2"], "--world_size must be at least 3 (at least one trainer, the master and the parameter server), got 2"),
     ("ddp_rpc_hybrid", ["--batches_per_epoch=0"], "--batches_per_epoch must be positive, got 0"),
+    ("rpc_rnn_model_parallel", ["--epochs=0"], "--epochs must be positive, got 0"),
+    ("rpc_rnn_model_parallel", ["--batches_per_epoch=0"], "--batches_per_epoch must be positive, got 0"),
 ]
 
 
@@ -29,7 +31,7 @@ def test_bad_arguments_exit_2(module, argv, problem, capsys, monkeypatch):
     for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):  # as if not started by torchrun
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(SystemExit) as exit_info:
-        importlib.import_module(module).main(argv)
+        importlib.import_module(module).parse_args(argv)
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("usage: "), err

@@ -4,7 +4,7 @@ import re
 import torch
 
 import ddp_rpc_hybrid as hybrid
-from conftest import DDP_EPOCHS, assert_succeeded, summary
+from conftest import DDP_EPOCHS, ROOT, assert_succeeded, free_port, summary, wait_all
 
 
 def trainer_losses(out, trainer):
@@ -20,8 +20,9 @@ def test_one_command_two_trainers_learn_in_sync(shared_runs):
     figures = summary(proc.out)
     assert figures["epochs"] == str(DDP_EPOCHS), proc.out
     for trainer in (0, 1):
-        # Each trainer says where its DDP group runs, once the group is up: a GPU where the host has one.
-        where = "cuda:\\d with nccl" if torch.cuda.device_count() >= 2 else "cpu with gloo"
+        # Each trainer says where its DDP runs: its own GPU where every trainer has one, else the CPU (and why).
+        gpus = torch.cuda.device_count()
+        where = "cuda:\\d with nccl" if gpus >= 2 else "cpu with gloo" + " \\(no GPU for trainer1\\)" * (gpus == 1)
         assert re.search(rf"^trainer{trainer}: DDP on {where}$", proc.out, re.M), proc.out
         losses = trainer_losses(proc.out, trainer)
         assert figures[f"trainer{trainer}_loss"] == f"{losses[-1]:.4f}", proc.out
@@ -45,3 +46,27 @@ def test_batches_are_embedding_bags_of_learnable_classes():
     bags = torch.tensor_split(indices, offsets[1:])
     per_class = hybrid.NUM_EMBEDDINGS // hybrid.NUM_CLASSES
     assert all(1 <= len(bag) <= 10 and bool((bag // per_class == label).all()) for bag, label in zip(bags, target))
+
+
+def test_one_trainer_has_no_replica_to_compare(shared_runs):
+    # World size 3: the one trainer's replica compared with itself would prove nothing.
+    assert summary(shared_runs["ddp 3"].out)["fc_in_sync"] == "n/a", shared_runs["ddp 3"]
+
+
+def test_a_trainer_without_a_gpu_puts_every_trainer_on_the_cpu(run, tmp_path):
+    # trainer0 runs a copy of the script on a host that says it has two GPUs, trainer1 on one with none (no rank
+    # sees a real GPU: CUDA_VISIBLE_DEVICES=""). DDP needs one device type in all replicas: both train on the CPU
+    # with Gloo, and each says why, instead of trainer0 choosing NCCL on its GPU and the group failing.
+    two_gpus = tmp_path / "ddp_rpc_hybrid.py"
+    two_gpus.write_text((ROOT / "ddp_rpc_hybrid.py").read_text().replace(
+        "index < torch.cuda.device_count()", "index < 2", 1))
+    assert "index < 2" in two_gpus.read_text()
+    common = ["--world_size=4", "--master_port", free_port(), "--epochs=2", "--timeout", 120]
+    ranks = [run(two_gpus if rank == 0 else "ddp_rpc_hybrid.py", *common, f"--rank={rank}",
+                 env={"CUDA_VISIBLE_DEVICES": ""}) for rank in range(4)]
+    wait_all(ranks)
+    assert_succeeded(*ranks)
+    for trainer in (0, 1):
+        line = rf"^trainer{trainer}: DDP on cpu with gloo \(no GPU for trainer1\)$"
+        assert re.search(line, ranks[trainer].out, re.M), ranks[trainer]
+    assert summary(ranks[2].out)["fc_in_sync"] == "true", ranks[2]  # rank 2, the master

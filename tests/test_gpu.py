@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from conftest import DDP_EPOCHS, assert_no_traceback, in_rpc_group, summary, tiny_mnist_flags
+from conftest import DDP_EPOCHS, assert_no_traceback, free_port, in_rpc_group, summary, tiny_mnist_flags
 
 GPUS = torch.cuda.device_count()
 
@@ -47,4 +47,45 @@ def test_ddp_one_trainer_per_gpu_over_nccl_in_sync(run):
     assert_no_traceback(proc.err)
     for trainer in (0, 1):
         assert re.search(rf"^trainer{trainer}: DDP on cuda:{trainer} with nccl$", proc.out, re.M), proc
+    assert summary(proc.out)["fc_in_sync"] == "true", proc
+
+
+@needs_gpus(2)
+def test_ddp_one_command_gives_each_trainer_its_own_gpu_whatever_local_rank_says(run):
+    # Started from a shell or a job that set LOCAL_RANK: a one-command run still numbers its trainers by rank.
+    proc = run("ddp_rpc_hybrid.py", "--world_size=4", f"--epochs={DDP_EPOCHS}", "--timeout", 60,
+               env={"LOCAL_RANK": "0"}).wait()
+    assert proc.returncode == 0, proc
+    assert_no_traceback(proc.err)
+    for trainer in (0, 1):
+        assert re.search(rf"^trainer{trainer}: DDP on cuda:{trainer} with nccl$", proc.out, re.M), proc
+    assert summary(proc.out)["fc_in_sync"] == "true", proc
+
+
+@needs_gpus(2)
+def test_ddp_trainers_on_two_hosts_each_use_their_own_hosts_gpu(run):
+    # Two hosts with one GPU each (CUDA_VISIBLE_DEVICES shows each trainer a GPU of its own as cuda:0), a trainer
+    # on each, started by hand with LOCAL_RANK=0 as torchrun sets it on each host: two trainers, one GPU per
+    # host, yet both train on their GPU over NCCL.
+    common = ["--world_size=4", "--master_port", free_port(), f"--epochs={DDP_EPOCHS}", "--timeout", 60]
+    ranks = [run("ddp_rpc_hybrid.py", *common, f"--rank={rank}",
+                 env={"CUDA_VISIBLE_DEVICES": str(rank) if rank < 2 else "", "LOCAL_RANK": "0"}) for rank in range(4)]
+    for proc in ranks:
+        proc.wait()
+        assert proc.returncode == 0, proc
+        assert_no_traceback(proc.err)
+    for trainer in (0, 1):
+        assert re.search(rf"^trainer{trainer}: DDP on cuda:0 with nccl$", ranks[trainer].out, re.M), ranks[trainer]
+    assert summary(ranks[2].out)["fc_in_sync"] == "true", ranks[2]  # rank 2, the master
+
+
+@needs_gpus(1)
+def test_ddp_a_trainer_without_its_gpu_puts_every_trainer_on_the_cpu(run):
+    # One GPU shown: trainer0 has cuda:0, trainer1 no cuda:1. DDP needs one device type: both use the CPU and Gloo.
+    proc = run("ddp_rpc_hybrid.py", "--world_size=4", f"--epochs={DDP_EPOCHS}", "--timeout", 60,
+               env={"CUDA_VISIBLE_DEVICES": "0"}).wait()
+    assert proc.returncode == 0, proc
+    assert_no_traceback(proc.err)
+    for trainer in (0, 1):
+        assert re.search(rf"^trainer{trainer}: DDP on cpu with gloo \(no GPU for trainer1\)$", proc.out, re.M), proc
     assert summary(proc.out)["fc_in_sync"] == "true", proc

@@ -1,11 +1,14 @@
 """rpc_rl_cartpole.py: an agent and observers playing CartPole-v1 over RPC."""
 import re
+import socket
+import time
 
 import pytest
 import torch
 
 import rpc_rl_cartpole as rl
-from conftest import RL_EPISODES, assert_succeeded, in_rpc_group, summary
+from conftest import (HANG, RL_EPISODES, ROOT, assert_no_traceback, assert_succeeded, free_port, in_rpc_group,
+                      summary, wait_all)
 
 
 def episodes(out):
@@ -39,12 +42,13 @@ def test_one_observer_same_seed_same_episodes(shared_runs):
 
 
 def check_finish_episode_returns_and_loss():
-    agent = rl.Agent(world_size=1, gamma=0.5)  # no remote observers: two are faked by hand below
+    agent = rl.Agent(1, rl.parse_args(["--gamma=0.5"]))  # no remote observers: two are faked by hand below
     trajectories = {1: [1.0, 1.0, 1.0], 2: [1.0, 1.0]}
     log_probs = {ob: [torch.zeros(1, requires_grad=True) for _ in rewards] for ob, rewards in trajectories.items()}
     for ob, rewards in trajectories.items():
         agent.rewards[ob], agent.saved_log_probs[ob] = [], list(log_probs[ob])  # as Agent() registers observers
-        agent.report_reward(ob, rewards)
+        for reward in rewards:
+            agent.report_reward(ob, reward)
     assert agent.finish_episode() == 2.0  # the shorter episode's total reward
 
     # Discounted per trajectory: 1 + 0.5 + 0.25, 1 + 0.5, 1; then 1 + 0.5, 1.
@@ -60,3 +64,60 @@ def check_finish_episode_returns_and_loss():
 
 def test_finish_episode_returns_and_loss():
     in_rpc_group(check_finish_episode_returns_and_loss)
+
+
+class RecordingAgent(rl.Agent):
+    """The script's Agent, noting each call an observer makes to it, in order."""
+
+    def select_action(self, ob_id, state):
+        self.calls.append("select_action")
+        return super().select_action(ob_id, state)
+
+    def report_reward(self, ob_id, reward):
+        self.calls.append(("report_reward", reward))
+        super().report_reward(ob_id, reward)
+
+
+def check_observer_calls_the_agent_twice_per_step():
+    # This process is both the agent and the observer: the observer's calls go through the agent's RRef as RPCs.
+    args = rl.parse_args([])
+    agent, observer = RecordingAgent(1, args), rl.Observer(args)
+    agent.calls, agent.rewards[observer.id], agent.saved_log_probs[observer.id] = [], [], []
+    observer.run_episode(agent.agent_rref)
+    steps = len(agent.saved_log_probs[observer.id])
+    assert steps >= 8, agent.calls  # no CartPole episode is shorter
+    # The tutorial's pattern: every step, select_action, then report_reward with that step's reward.
+    assert agent.calls == ["select_action", ("report_reward", 1.0)] * steps, agent.calls
+    assert agent.rewards[observer.id] == [1.0] * steps
+
+
+def test_observer_calls_the_agent_twice_per_step():
+    in_rpc_group(check_observer_calls_the_agent_twice_per_step)
+
+
+def test_an_observer_call_that_times_out_stops_the_run(run, tmp_path):
+    # A copy of the script whose agent answers its fifth select_action late, as a slow agent on a busy machine
+    # would; the observer's --timeout is shorter. Its call must not end the episode quietly (the agent would then
+    # train on log-probs and rewards that do not match): the observer says why and ends, and the agent, which lost
+    # it, ends too. The observer starts once the agent listens, so that its short --timeout only bounds the call.
+    slow = tmp_path / "rpc_rl_cartpole.py"
+    slow.write_text((ROOT / "rpc_rl_cartpole.py").read_text().replace(
+        "    def select_action(self, ob_id, state):\n", "    def select_action(self, ob_id, state):\n"
+        "        self.calls = getattr(self, 'calls', 0) + 1\n        time.sleep(10 if self.calls == 5 else 0)\n", 1))
+    assert "self.calls == 5" in slow.read_text()
+    short, port = 5, free_port()
+    flags = ["--world_size=2", "--master_port", port, "--max_episodes=3"]
+    agent = run(slow, *flags, "--rank=0", "--timeout", 60)
+    deadline = time.monotonic() + HANG
+    while True:
+        with socket.socket() as probe:
+            if probe.connect_ex(("localhost", port)) == 0:
+                break
+        assert agent.proc.poll() is None and time.monotonic() < deadline, agent
+        time.sleep(0.1)
+    observer = run(slow, *flags, "--rank=1", "--timeout", short)
+    wait_all([observer, agent])
+    assert observer.returncode == 1 and agent.returncode == 1, (agent, observer)
+    assert_no_traceback(observer.err + agent.err)
+    assert re.search(r"^Error on rank 1 \(obs1\): RuntimeError: .*timeout", observer.err, re.M), observer
+    assert re.search(r"^Error on rank 0 \(agent\): ", agent.err, re.M) and "Summary:" not in agent.out, agent
