@@ -13,7 +13,9 @@ torchrun:                            torchrun --nproc_per_node=4 ddp_rpc_hybrid.
 """
 import argparse
 import contextlib
+import datetime
 import fcntl
+import itertools
 import os
 import re
 import signal
@@ -191,8 +193,10 @@ def run_worker(rank, world_size, args):
         # Initialize process group for Distributed DataParallel on trainers (Gloo, which every trainer has: where
         # all have a GPU, ddp_device adds an NCCL group for DDP).
         with deadline(rank, args):
+            # Not in the tutorial: a timeout, or a collective waits 30 minutes for a trainer whose machine vanished.
             dist.init_process_group(backend="gloo", rank=rank, world_size=len(trainers),
-                                    init_method=f"tcp://{args.master_addr}:{args.master_port}")
+                                    init_method=f"tcp://{args.master_addr}:{args.master_port}",
+                                    timeout=datetime.timedelta(seconds=args.meet_timeout))
 
     # Initialize RPC on every rank (the tutorial repeats this call in each of the three branches).
     with deadline(rank, args):
@@ -209,12 +213,12 @@ def run_worker(rank, world_size, args):
         futs = []
         for trainer_rank in trainers:
             trainer_name = worker_name(trainer_rank, world_size)
-            # timeout=0 (none): training outlasts any RPC timeout; wait_for_peers on rank 0 watches the trainers.
+            # timeout=0 (none): training outlasts any RPC timeout; wait_for_peers below watches the trainers instead.
             fut = rpc.rpc_async(trainer_name, _run_trainer, args=(remote_emb_module, trainer_rank, args), timeout=0)
             futs.append(fut)
 
-        # Wait for all training to finish.
-        results = [fut.wait() for fut in futs]
+        # Wait for all training to finish (the tutorial: fut.wait() for each; this also notices a vanished trainer).
+        results = wait_for_peers(rank, args, futs)
         # Not in the tutorial: a check that DDP kept the replicas equal, and one key=value line for people and scripts.
         first = results[0][1]
         in_sync = all(torch.equal(weights[name], first[name]) for _, weights in results for name in first)
@@ -270,38 +274,44 @@ def backend_options(args, **kwargs):
 
 @contextlib.contextmanager
 def deadline(rank, args):
-    """Around init_rpc (or init_process_group), which waits 30 minutes for a missing rank, forever on a silent port."""
-    timer = threading.Timer(args.timeout, fail, (rank, args, f"not all {args.world_size} ranks met at {args.master_addr}:"
-                            f"{args.master_port} within --timeout {args.timeout:g} s: check --world_size and --master_port."))
-    timer.start()
-    with warnings.catch_warnings():  # init_rpc's own use of a Gloo Backend as a ProcessGroup: not ours to fix
-        warnings.filterwarnings("ignore", message="You are using a Backend .* as a ProcessGroup")
-        yield
-    timer.cancel()  # (if init_rpc raised instead, fail() ends the process)
+    """Around init_rpc (or init_process_group), which waits 30 minutes for a missing rank, forever on a silent port;
+    after init_rpc, a check that every rank is of this script: another script's ranks would answer its RPCs."""
+    where = f"not all {args.world_size} ranks of this script met at {args.master_addr}:{args.master_port}"
+    (timer := threading.Timer(args.meet_timeout, fail, (rank, args, f"{where} within {args.meet_timeout:g} s: check "
+                              "--world_size and --master_port."))).start()
+    group_before = torch.distributed.is_initialized()  # DDP's init_process_group sets it, init_rpc does not
+    try:
+        with warnings.catch_warnings():  # init_rpc's own use of a Gloo Backend as a ProcessGroup: not ours to fix
+            warnings.filterwarnings("ignore", message="You are using a Backend .* as a ProcessGroup")
+            yield
+        if group_before == torch.distributed.is_initialized():  # RPC is up: a name no rank has raises
+            [rpc.get_worker_info(worker_name(peer, args.world_size)) for peer in range(args.world_size)]
+    except Exception as exc:  # also: the rank that hosted the meeting gave up (ranks of another --world_size came)
+        fail(rank, args, f"{where}: {traceback.format_exc() if args.debug else describe(exc)}")
+    timer.cancel()
 
 
-_peers_done, _all_done = threading.Semaphore(0), torch.futures.Future()  # on rank 0: one release per rank done
+@rpc.functions.async_execution  # on rank 0: answers once every rank is done, holding no RPC thread meanwhile
+def _rank_done(world_size, all_done=torch.futures.Future(), ranks_done=itertools.count(1)):  # made once: state
+    if next(ranks_done) == world_size:  # (next() on a count is atomic: two ranks done at once count as two)
+        all_done.set_result(None)
+    return all_done
 
 
-@rpc.functions.async_execution  # answers once every rank is done, holding no RPC thread meanwhile
-def _peer_done(rank):
-    _peers_done.release()
-    return _all_done
-
-
-def wait_for_peers(rank, args):
-    """Before rpc.shutdown(), which waits forever for a peer that died: each rank tells rank 0 it is done and waits
-    for the answer, which comes when all are; meanwhile rank 0 asks every peer each second if it still answers."""
-    if rank != 0:
-        return rpc.rpc_sync(0, _peer_done, args=(rank,), timeout=0)  # 0: no limit, it waits for the run
-    for _ in range(1, args.world_size):
-        while not _peers_done.acquire(timeout=1):
-            for peer in range(1, args.world_size):
-                try:
-                    rpc.rpc_sync(peer, os.getpid)
-                except RuntimeError:
-                    fail(rank, args, f"lost contact with rank {peer} ({worker_name(peer, args.world_size)}); see its output.")
-    _all_done.set_result(None)
+def wait_for_peers(rank, args, futures=None):
+    """Before rpc.shutdown(), which waits forever for a peer that died: every rank tells rank 0 it is done and waits
+    for the answer, which comes when all are (or, given futures of RPCs with no time limit, waits for their results).
+    Meanwhile it asks every peer each second whether it still answers: a peer whose process ended fails the ask at
+    once, one whose machine vanished (no FIN, no answer) when the ask runs over --timeout."""
+    done, futures = threading.Event(), futures or [rpc.rpc_async(0, _rank_done, args=(args.world_size,), timeout=0)]
+    torch.futures.collect_all(futures).add_done_callback(lambda _: done.set())
+    while not done.wait(timeout=1):
+        for peer in set(range(args.world_size)) - {rank}:
+            try:
+                rpc.rpc_sync(peer, os.getpid)
+            except RuntimeError:
+                fail(rank, args, f"lost contact with rank {peer} ({worker_name(peer, args.world_size)}); see its output.")
+    return [fut.wait() for fut in futures]
 
 
 def describe(exc):
@@ -355,7 +365,8 @@ def add_common_flags(parser, world_size):
     parser.add_argument("--master_addr", default="localhost", help="Address of rank 0.")
     parser.add_argument("--master_port", type=int, help="Port of rank 0; 29500 with --rank, else a free one.")
     parser.add_argument("--ifname", help="Network interface to use; found from --master_addr if it is not local.")
-    parser.add_argument("--timeout", type=float, default=60.0, help="Longest wait for a peer or an RPC, in seconds.")
+    parser.add_argument("--timeout", type=float, default=argparse.SUPPRESS, help="Longest wait for a peer or an RPC, "
+                        "in seconds (default: 60; ranks started by hand with --rank wait 300 s for each other).")
     parser.add_argument("--debug", action="store_true", help="On a failure, the traceback and torch's own log too.")
     parser.add_argument("--seed", type=int, default=1, help="Random seed.")
     parser.set_defaults(**{name.lower(): os.environ[name] for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -366,11 +377,15 @@ def check_common_args(parser, args):
     if args.rank is not None and not 0 <= args.rank < args.world_size:
         parser.error(f"--rank must be in [0, {args.world_size}) for --world_size {args.world_size}, got {args.rank}")
     args.master_port = args.master_port or (29500 if args.rank is not None else None)
+    by_hand = args.rank is not None and "RANK" not in os.environ  # one terminal per rank: a person starts the rest
+    args.timeout, args.meet_timeout = vars(args).get("timeout", 60.0), vars(args).get("timeout", 300 if by_hand else 60)
 
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.rank is not None:
+    if args.rank is not None:  # one rank per process, its peers perhaps not started yet: say what it waits for
+        print(f"Rank {args.rank} waits up to {args.meet_timeout:g} s for all {args.world_size} ranks at "
+              f"{args.master_addr}:{args.master_port}", file=sys.stderr)
         return run_rank(args.rank, args)
     port = socket.socket()  # bound until the run ends, never listening: the OS gives its port to no one else
     if args.master_port is None:

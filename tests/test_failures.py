@@ -178,8 +178,8 @@ def test_a_peer_that_never_arrives_or_never_answers(rank_runs):
     for case, rank, name in (("a lone rank 0", 0, "ps"), ("a lone rank 1", 1, "trainer"),
                              ("a listener that never answers", 1, "trainer")):
         proc = rank_runs[case]
-        assert_one_line(proc, f"Error on rank {rank} ({name}): not all 2 ranks met at localhost:",
-                        f"within --timeout {LONE} s", "--master_port")
+        assert_one_line(proc, f"Error on rank {rank} ({name}): not all 2 ranks of this script met at localhost:",
+                        f"within {LONE} s", "--master_port")
         assert ended_at(proc) - proc.started < LONE_BOUND, f"{case}: {proc}"
 
 
