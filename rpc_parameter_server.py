@@ -1,10 +1,9 @@
 """Parameter server training with PyTorch's distributed RPC framework.
 
 The tutorial "Implementing a Parameter Server Using Distributed RPC Framework"
-(https://pytorch.org/tutorials/intermediate/rpc_param_server_tutorial.html). Rank 0 is the parameter
-server: it holds the model (`Net`) and runs its forward passes. Every other rank is a trainer: it reads
-MNIST, sends each batch to the parameter server over RPC, and trains the remote weights with distributed
-autograd and a DistributedOptimizer.
+(https://pytorch.org/tutorials/intermediate/rpc_param_server_tutorial.html). Rank 0 is the parameter server: it
+holds the model (`Net`) and runs its forward passes. Every other rank is a trainer: it reads MNIST, sends each batch
+to the parameter server over RPC, and trains the remote weights with distributed autograd and a DistributedOptimizer.
 
 One command starts every rank:       python rpc_parameter_server.py --world_size=4
 One terminal per rank:               python rpc_parameter_server.py --world_size=2 --rank=0
@@ -40,7 +39,6 @@ from torch.distributed.optim import DistributedOptimizer
 
 
 # --------- MNIST Network to train, from pytorch/examples -----
-
 class Net(nn.Module):
     def __init__(self, num_gpus=0):
         super().__init__()
@@ -77,7 +75,6 @@ class Net(nn.Module):
 
 
 # --------- Helper Methods --------------------
-
 # On the local node, call a method with first arg as the value held by the RRef.
 def call_method(method, rref, *args, **kwargs):
     return method(rref.local_value(), *args, **kwargs)
@@ -90,7 +87,6 @@ def remote_method(method, rref, *args, **kwargs):
 
 
 # --------- Parameter Server --------------------
-
 class ParameterServer(nn.Module):
     def __init__(self, num_gpus=0):
         super().__init__()
@@ -156,7 +152,6 @@ def run_parameter_server(rank, world_size, args):
 
 
 # --------- Trainers --------------------
-
 # nn.Module corresponding to the network trained by this trainer: forward() invokes it on the parameter server.
 class TrainerNet(nn.Module):
     def __init__(self, num_gpus=0):
@@ -237,7 +232,6 @@ def run_worker(rank, world_size, args):
 
 
 # --------- MNIST data --------------------
-
 def load_mnist(args, rank):
     """The tutorial's train and test loaders; --train_samples/--test_samples keep the first N."""
     from torchvision import datasets, transforms  # slow to import, and only the trainers need it
@@ -309,8 +303,6 @@ def parse_args(argv=None):  # the tutorial parses at import; a function lets tes
 
 # --------- Launching ranks, bounding waits, reporting failures --------------------
 # Not in the tutorials; the same text in all four scripts, which each supply worker_name and run_worker above.
-
-
 def backend_options(args, **kwargs):
     # TCP only: the shared-memory transport busy-polls a core per process (a private option: pytorch/pytorch#33982).
     return rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://{args.master_addr}:{args.master_port}",
@@ -318,36 +310,38 @@ def backend_options(args, **kwargs):
 
 
 @contextlib.contextmanager
-def deadline(rank, args):
-    """Around init_rpc (or init_process_group), which waits 30 minutes for a missing rank, forever on a silent port;
-    after init_rpc, a check that every rank is of this script: another script's ranks would answer its RPCs."""
+def deadline(rank, args, rpc_group=True):
+    """Around init_rpc (or, rpc_group=False, init_process_group), which waits 30 minutes for a missing rank, forever
+    on a silent port; after init_rpc, a check that every rank runs this script: another's would answer its RPCs."""
     where = f"not all {args.world_size} ranks of this script met at {args.master_addr}:{args.master_port}"
     (timer := threading.Timer(args.meet_timeout, fail, (rank, args, f"{where} within {args.meet_timeout:g} s: check "
                               "--world_size and --master_port."))).start()
-    group_before = torch.distributed.is_initialized()  # DDP's init_process_group sets it, init_rpc does not
     try:
         with warnings.catch_warnings():  # init_rpc's own use of a Gloo Backend as a ProcessGroup: not ours to fix
             warnings.filterwarnings("ignore", message="You are using a Backend .* as a ProcessGroup")
             yield
-        if group_before == torch.distributed.is_initialized():  # RPC is up: a name no rank has raises
-            [rpc.get_worker_info(worker_name(peer, args.world_size)) for peer in range(args.world_size)]
+        if rpc_group:  # every rank runs this script: another script's ranks would answer its RPCs
+            for peer in range(args.world_size):
+                rpc.get_worker_info(worker_name(peer, args.world_size))  # raises for a name that no rank has
     except Exception as exc:  # also: the rank that hosted the meeting gave up (ranks of another --world_size came)
         fail(rank, args, f"{where}: {traceback.format_exc() if args.debug else describe(exc)}")
     timer.cancel()
 
 
+_ranks_done, _all_done = itertools.count(1), torch.futures.Future()  # on rank 0: ranks done so far, and when all are
+
+
 @rpc.functions.async_execution  # on rank 0: answers once every rank is done, holding no RPC thread meanwhile
-def _rank_done(world_size, all_done=torch.futures.Future(), ranks_done=itertools.count(1)):  # made once: state
-    if next(ranks_done) == world_size:  # (next() on a count is atomic: two ranks done at once count as two)
-        all_done.set_result(None)
-    return all_done
+def _rank_done(world_size):
+    if next(_ranks_done) == world_size:  # next() on a count is atomic: two ranks done at once count as two
+        _all_done.set_result(None)
+    return _all_done
 
 
 def wait_for_peers(rank, args, futures=None):
     """Before rpc.shutdown(), which waits forever for a peer that died: every rank tells rank 0 it is done and waits
-    for the answer, which comes when all are (or, given futures of RPCs with no time limit, waits for their results).
-    Meanwhile it asks every peer each second whether it still answers: a peer whose process ended fails the ask at
-    once, one whose machine vanished (no FIN, no answer) when the ask runs over --timeout."""
+    for the answer, which comes when all are (given futures of RPCs with no time limit: their results). Meanwhile it
+    asks every peer each second if it answers: a peer whose process ended fails at once, a vanished one at --timeout."""
     done, futures = threading.Event(), futures or [rpc.rpc_async(0, _rank_done, args=(args.world_size,), timeout=0)]
     torch.futures.collect_all(futures).add_done_callback(lambda _: done.set())
     while not done.wait(timeout=1):
@@ -356,7 +350,7 @@ def wait_for_peers(rank, args, futures=None):
                 rpc.rpc_sync(peer, os.getpid)
             except RuntimeError:
                 fail(rank, args, f"lost contact with rank {peer} ({worker_name(peer, args.world_size)}); see its output.")
-    return [fut.wait() for fut in futures]
+    return [fut.wait() for fut in futures]  # (raises what a future failed with)
 
 
 def describe(exc):
@@ -410,8 +404,8 @@ def add_common_flags(parser, world_size):
     parser.add_argument("--master_addr", default="localhost", help="Address of rank 0.")
     parser.add_argument("--master_port", type=int, help="Port of rank 0; 29500 with --rank, else a free one.")
     parser.add_argument("--ifname", help="Network interface to use; found from --master_addr if it is not local.")
-    parser.add_argument("--timeout", type=float, default=argparse.SUPPRESS, help="Longest wait for a peer or an RPC, "
-                        "in seconds (default: 60; ranks started by hand with --rank wait 300 s for each other).")
+    parser.add_argument("--timeout", type=float, help="Longest wait for a peer or an RPC, in seconds (default: 60; "
+                        "ranks started by hand with --rank wait 300 s for each other).")
     parser.add_argument("--debug", action="store_true", help="On a failure, the traceback and torch's own log too.")
     parser.add_argument("--seed", type=int, default=1, help="Random seed.")
     parser.set_defaults(**{name.lower(): os.environ[name] for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -423,7 +417,7 @@ def check_common_args(parser, args):
         parser.error(f"--rank must be in [0, {args.world_size}) for --world_size {args.world_size}, got {args.rank}")
     args.master_port = args.master_port or (29500 if args.rank is not None else None)
     by_hand = args.rank is not None and "RANK" not in os.environ  # one terminal per rank: a person starts the rest
-    args.timeout, args.meet_timeout = vars(args).get("timeout", 60.0), vars(args).get("timeout", 300 if by_hand else 60)
+    args.timeout, args.meet_timeout = args.timeout or 60.0, args.timeout or (300 if by_hand else 60)
 
 
 def main(argv=None):
@@ -432,10 +426,9 @@ def main(argv=None):
         print(f"Rank {args.rank} waits up to {args.meet_timeout:g} s for all {args.world_size} ranks at "
               f"{args.master_addr}:{args.master_port}", file=sys.stderr)
         return run_rank(args.rank, args)
-    port = socket.socket()  # bound until the run ends, never listening: the OS gives its port to no one else
-    if args.master_port is None:
-        port.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # rank 0 can still listen on it
-        port.bind(("", 0))
+    if args.master_port is None:  # a free port, held until the run ends by a socket bound to it, never listening:
+        (port := socket.socket()).setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (rank 0 can still listen)
+        port.bind(("", 0))  # the OS gives it to no one else
         args.master_port = port.getsockname()[1]
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` stops the ranks as Ctrl-C does
     print(f"Starting {args.world_size} ranks; rank 0 listens on {args.master_addr}:{args.master_port}", flush=True)
