@@ -1,5 +1,6 @@
 """Shared test helpers: free ports, scripts run as a user runs them (a fresh `python SCRIPT ...` each), the
 runs that several tests read, tiny MNIST, an RPC group of one for the classes' unit checks, and two hosts."""
+import contextlib
 import fcntl
 import ipaddress
 import multiprocessing
@@ -34,7 +35,7 @@ SCRIPTS = ["rpc_parameter_server", "rpc_rl_cartpole", "rpc_rnn_model_parallel", 
 MNIST_TRAIN, MNIST_TEST = 64, 32  # images in the tiny MNIST
 MNIST_BATCH_SIZE, MNIST_LOG_INTERVAL = 8, 2  # --batch_size, --log_interval of every parameter server run
 PS_EPOCHS = 3
-RL_EPISODES = 40  # enough for the policy to improve: CartPole's early episodes are cheap
+RL_EPISODES = 30  # enough for the policy to improve: CartPole's early episodes are cheap
 RNN_EPOCHS = 10  # the default: the smoke run is the README's command as written
 DDP_EPOCHS = 4
 
@@ -201,34 +202,80 @@ def wait_all(runs, limit=HANG):
         proc.wait(max(1, deadline - time.monotonic()))
 
 
+LATE = 2  # seconds between a rank that says it waits, started by hand, and the next rank a person starts
+SLOW = 10  # seconds that the slow agent's fifth select_action takes; its observer's --timeout is half that
+
+
+def slow_agent(folder):
+    """A copy of rpc_rl_cartpole.py whose agent answers its fifth select_action SLOW s late, as a slow agent on a
+    busy machine would."""
+    slow = folder / "rpc_rl_cartpole.py"
+    slow.write_text((ROOT / "rpc_rl_cartpole.py").read_text().replace(
+        "    def select_action(self, ob_id, state):\n", "    def select_action(self, ob_id, state):\n"
+        f"        self.calls = getattr(self, 'calls', 0) + 1\n"
+        f"        time.sleep({SLOW} if self.calls == 5 else 0)\n", 1))
+    assert "self.calls == 5" in slow.read_text()
+    return slow
+
+
+def two_gpus(folder):
+    """A copy of ddp_rpc_hybrid.py on a host that says it has two GPUs: no rank sees a real one (the runs set
+    CUDA_VISIBLE_DEVICES=""), and the trainers then agree on the CPU, so nothing else asks."""
+    copy = folder / "ddp_rpc_hybrid.py"
+    text = (ROOT / "ddp_rpc_hybrid.py").read_text()
+    copy.write_text(text.replace("index < torch.cuda.device_count()", "index < 2", 1))
+    assert "index < 2" in copy.read_text()
+    return copy
+
+
 @pytest.fixture(scope="session")
 def shared_runs(tmp_path_factory, tiny_mnist):
-    """The successful runs that several tests read, started together so that they share the cores, and all ended
-    before any test reads them, so that their load never overlaps a later test's. A dict by name:
+    """The runs that tests read, but for the failure cases that time how fast a run ends, started together so
+    that they share the cores, and all ended before any test reads them, so that their load never overlaps a later
+    test's. A dict by name:
     - "rnn", "ps", "rl", "ddp 3", "ddp 4": each script's one-command launch, as a user types it (the RNN's is the
       README's command as written); the parameter server and CartPole at world size 2, DDP at 3 and at 4;
     - "rnn ranks", "ps ranks", "rl ranks": the same flags one terminal per rank, a list of ranks: one rank drives
-      the training alone, so each must print its one-command twin's numbers. The RNN's ranks meet at this host's
-      own non-loopback address where it has one;
+      the training alone, so each must print its one-command twin's numbers. The RNN's ranks are started as a
+      person starts them, with the README's flags: rank 1 LATE s after rank 0 says what it waits for, at this
+      host's own non-loopback address where it has one;
     - "ps 3 ranks": two trainers one terminal per rank, saving the model;
-    - "rnn torchrun": the RNN under torchrun."""
+    - "rnn torchrun": the RNN under torchrun;
+    - "rl slow": [agent, observer] of slow_agent(), the observer, whose --timeout is SLOW / 2, started once the
+      agent says it waits;
+    - "scripts": the RNN's rank 0 and CartPole's rank 1 on one port; "sizes": CartPole's rank 0 at --world_size 2
+      and its rank 1 at 3 on one port, --timeout 5;
+    - "ddp mixed": DDP at world size 4 one terminal per rank, trainer0 of two_gpus(), the others of the script."""
     started = []
 
-    def start(script, *args, python_args=()):
+    def start(script, *args, python_args=(), timeout=120, env=None):
         # --timeout only bounds a failure: on a loaded machine the ranks of one run may arrive far apart.
-        started.append(Run(script, [*args, "--timeout", 120], cwd=tmp_path_factory.mktemp(script[:-3]),
-                           python_args=python_args))
+        started.append(Run(script, [*args, *(["--timeout", timeout] if timeout else [])],
+                           cwd=tmp_path_factory.mktemp(Path(script).stem), python_args=python_args, env=env))
         return started[-1]
 
     def ranks(script, world_size, *args, addr="localhost"):
         common = [f"--world_size={world_size}", "--master_addr", addr, "--master_port", free_port(), *args]
         return [start(script, *common, f"--rank={rank}") for rank in range(world_size)]
 
+    def once_waiting(first, *args, late=0, **kwargs):
+        """Start a rank as a person would, `late` s after `first` has said what it waits for."""
+        deadline = time.monotonic() + HANG
+        while "waits up to" not in first.err and first.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(late)
+        return start(*args, **kwargs)
+
     ps_flags = [f"--epochs={PS_EPOCHS}", *tiny_mnist_flags(tiny_mnist)]
     rl_flags = [f"--max_episodes={RL_EPISODES}", "--log_interval=1"]
+    rnn_at = ["--master_addr", (own_address() or (None, "localhost"))[1], "--master_port", free_port()]
+    slow, slow_port = slow_agent(tmp_path_factory.mktemp("slow")), ["--master_port", free_port(), "--max_episodes=3"]
+    scripts_port, sizes_port = free_port(), free_port()
+    mixed, mixed_flags = two_gpus(tmp_path_factory.mktemp("mixed")), ["--world_size=4", "--master_port", free_port()]
     runs = {
         "rnn": start("rpc_rnn_model_parallel.py"),
-        "rnn ranks": ranks("rpc_rnn_model_parallel.py", 2, addr=(own_address() or (None, "localhost"))[1]),
+        "rnn ranks": [start("rpc_rnn_model_parallel.py", "--rank=0", *rnn_at, timeout=None)],
+        "rl slow": [start(slow, "--rank=0", *slow_port, timeout=60)],
         "ps": start("rpc_parameter_server.py", "--world_size=2", *ps_flags),
         "ps ranks": ranks("rpc_parameter_server.py", 2, *ps_flags),
         "rl": start("rpc_rl_cartpole.py", "--world_size=2", *rl_flags),
@@ -238,8 +285,18 @@ def shared_runs(tmp_path_factory, tiny_mnist):
         "ps 3 ranks": ranks("rpc_parameter_server.py", 3, *ps_flags, "--save_model", "model.pt"),
         "rnn torchrun": start("rpc_rnn_model_parallel.py", "--epochs=2", python_args=[
             "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]),
+        # these two pairs meet as soon as both have started
+        "scripts": [start("rpc_rnn_model_parallel.py", "--rank=0", "--master_port", scripts_port),
+                    start("rpc_rl_cartpole.py", "--rank=1", "--master_port", scripts_port)],
+        "sizes": [start("rpc_rl_cartpole.py", f"--rank={rank}", f"--world_size={2 + rank}", "--master_port",
+                        sizes_port, timeout=5) for rank in (0, 1)],  # 5: tests/test_several_machines.py
+        "ddp mixed": [start(mixed if rank == 0 else "ddp_rpc_hybrid.py", *mixed_flags, "--epochs=2", f"--rank={rank}",
+                            env={"CUDA_VISIBLE_DEVICES": ""}) for rank in range(4)],
     }
     try:
+        runs["rl slow"].append(once_waiting(runs["rl slow"][0], slow, "--rank=1", *slow_port, timeout=SLOW / 2))
+        runs["rnn ranks"].append(once_waiting(runs["rnn ranks"][0], "rpc_rnn_model_parallel.py", "--rank=1", *rnn_at,
+                                              late=LATE, timeout=None))
         wait_all(started)
         yield runs
     finally:
@@ -307,10 +364,11 @@ def in_rpc_group(check, timeout=120):
         helper.join()
 
 
-@pytest.fixture
+@contextlib.contextmanager
 def two_hosts():
     """Two network namespaces joined by a veth pair: two hosts with their own addresses, whose hostnames resolve
-    to 127.0.0.1 as on many cloud images. Yields (hosts, addrs); the veth inside host i is "v" + hosts[i][3:]."""
+    to 127.0.0.1 as on many cloud images. Yields (hosts, addrs); the veth inside host i is "v" + hosts[i][3:].
+    Skips the tests that need them where they cannot be made."""
     if os.geteuid() != 0 or not shutil.which("ip"):
         pytest.skip("needs root and iproute2 to create network namespaces")
     tag = uuid.uuid4().hex[:6]

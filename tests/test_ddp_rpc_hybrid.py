@@ -4,7 +4,7 @@ import re
 import torch
 
 import ddp_rpc_hybrid as hybrid
-from conftest import DDP_EPOCHS, ROOT, assert_succeeded, free_port, summary, wait_all
+from conftest import DDP_EPOCHS, assert_succeeded, summary
 
 
 def trainer_losses(out, trainer):
@@ -53,18 +53,11 @@ def test_one_trainer_has_no_replica_to_compare(shared_runs):
     assert summary(shared_runs["ddp 3"].out)["fc_in_sync"] == "n/a", shared_runs["ddp 3"]
 
 
-def test_a_trainer_without_a_gpu_puts_every_trainer_on_the_cpu(run, tmp_path):
-    # trainer0 runs a copy of the script on a host that says it has two GPUs, trainer1 on one with none (no rank
-    # sees a real GPU: CUDA_VISIBLE_DEVICES=""). DDP needs one device type in all replicas: both train on the CPU
-    # with Gloo, and each says why, instead of trainer0 choosing NCCL on its GPU and the group failing.
-    two_gpus = tmp_path / "ddp_rpc_hybrid.py"
-    two_gpus.write_text((ROOT / "ddp_rpc_hybrid.py").read_text().replace(
-        "index < torch.cuda.device_count()", "index < 2", 1))
-    assert "index < 2" in two_gpus.read_text()
-    common = ["--world_size=4", "--master_port", free_port(), "--epochs=2", "--timeout", 120]
-    ranks = [run(two_gpus if rank == 0 else "ddp_rpc_hybrid.py", *common, f"--rank={rank}",
-                 env={"CUDA_VISIBLE_DEVICES": ""}) for rank in range(4)]
-    wait_all(ranks)
+def test_a_trainer_without_a_gpu_puts_every_trainer_on_the_cpu(shared_runs):
+    # trainer0 on a host that says it has two GPUs (conftest.two_gpus), trainer1 on one with none. DDP needs one
+    # device type in all replicas: both train on the CPU with Gloo, and each says why, instead of trainer0 choosing
+    # NCCL on its GPU and the group failing.
+    ranks = shared_runs["ddp mixed"]
     assert_succeeded(*ranks)
     for trainer in (0, 1):
         line = rf"^trainer{trainer}: DDP on cpu with gloo \(no GPU for trainer1\)$"

@@ -2,9 +2,8 @@
 docs/design.md's fault table, each provoked for real: real processes, real signals, a really taken
 port, a listener that never answers.
 
-The plumbing is the same text in all four scripts, so most cases run on the RNN example, the
-quickest to start (two ranks, no torchvision); a killed master is also tried on the DDP example
-(a rank 0 whose work runs in RPC threads).
+The plumbing is the same text in all four scripts, so these cases run on the RNN example, the
+quickest to start (two ranks, no torchvision).
 
 Time limits here tell "bounded" from "hangs", each at least three times the slowest seen while the
 whole suite runs on two cores; "at once" is also well under --timeout, so that a rank that only
@@ -29,6 +28,7 @@ AT_ONCE = 20  # a survivor of a killed peer, or a stopped one-command run, is go
 LONE = 2  # --timeout of the runs whose peers never come
 LONE_BOUND = LONE + 30  # a lone rank is gone within this from its start, torch's import included
 STARTING = 60  # a launcher SIGKILLed while its ranks load torch: every rank gone within this
+PRESS_AGAIN = 10  # seconds after which a Ctrl-C that the launcher never saw is pressed again
 
 
 def error_lines(proc):
@@ -110,15 +110,11 @@ class Kill(NamedTuple):
     lines: dict  # rank: what its one line says
 
 
-# A rank killed mid-run, one terminal per rank. The RNN's idle parameter server loses its trainer and names it;
-# the RNN trainer loses its parameter server (which hosts the store) under an RPC: torch says only "end of file"
-# or "connection reset", to which the line adds a hint; DDP's trainer0 (rank 0, whose work runs in RPC threads)
-# loses the master, and the parameter server loses its RPCs' peer.
-KILLS = [Kill(SCRIPT, 2, "Training epoch 1 loss", 1, 1,
-              {0: "Error on rank 0 (ps): lost contact with rank 1 (trainer); see its output."}),
-         Kill(SCRIPT, 2, "Training epoch 1 loss", 1, 0, {1: "(a peer's process ended; see its output)"}),
-         Kill("ddp_rpc_hybrid.py", 3, "Training done for epoch 1", 0, 1,
-              {0: "lost contact with rank 1 (master)", 2: "Error on rank 2 (ps): "})]
+# A rank killed mid-run, one terminal per rank (an idle rank 0 that loses its peer: "a rank killed" of the
+# one-command cases; every role of the four scripts: tests/test_several_machines.py). The RNN trainer loses its
+# parameter server (which hosts the store) under an RPC: torch says only "end of file" or "connection reset", to
+# which the line adds a hint.
+KILLS = [Kill(SCRIPT, 2, "Training epoch 1 loss", 1, 0, {1: "(a peer's process ended; see its output)"})]
 
 
 @pytest.fixture(scope="module")
@@ -209,8 +205,7 @@ def test_a_rank_killed_mid_run_stops_the_other_ranks(rank_runs):
                 assert_one_line(proc, f"Error on rank {rank} ", case.lines.get(rank, ""))
 
 
-STOPS = ("a rank killed", "Ctrl-C while starting", "SIGTERM to the launcher", "SIGKILL to the launcher",
-         "SIGKILL to the launcher while starting")
+STOPS = ("a rank killed", "Ctrl-C while starting", "SIGTERM to the launcher", "SIGKILL to the launcher while starting")
 
 
 @pytest.fixture(scope="module")
@@ -236,6 +231,14 @@ def launcher_runs(tmp_path_factory):
         # "While starting": both rank processes exist and are loading torch.
         act_when_ready(*[(runs[how], (lambda run: len(launched_ranks(run)) == 2) if how.endswith("starting")
                           else "Training epoch 1 loss", lambda how=how: stop(how)) for how in STOPS])
+        # A Ctrl-C that comes while the launcher starts its ranks, as they inherit its ignoring it, is lost (a few
+        # milliseconds, more on a loaded machine): a person presses again, and so does this, each PRESS_AGAIN s.
+        ctrl_c = runs["Ctrl-C while starting"]
+        for _ in range(2):
+            while ctrl_c.proc.poll() is None and time.monotonic() - ctrl_c.stopped < PRESS_AGAIN:
+                time.sleep(0.05)
+            if ctrl_c.proc.poll() is None and "Interrupted" not in ctrl_c.err:
+                stop("Ctrl-C while starting")
         for how, launcher in runs.items():
             launcher.wait(HANG)
             launcher.gone = wait_gone(launcher, launcher.stopped)
@@ -265,8 +268,7 @@ def test_stopping_a_one_command_run_stops_every_rank(launcher_runs):
 
 
 def test_a_killed_launcher_leaves_no_rank_behind(launcher_runs):
-    # Under way, torch.multiprocessing's parent-death signal ends the ranks. While they load torch, before torch
-    # arms that signal, each rank sees at its start that the launcher is gone.
-    for how, bound in (("SIGKILL to the launcher", AT_ONCE), ("SIGKILL to the launcher while starting", STARTING)):
-        launcher = launcher_runs[how]
-        assert launcher.returncode == -signal.SIGKILL and launcher.gone < bound, f"{how}: {launcher}"
+    # While the ranks load torch, before torch.multiprocessing arms the parent-death signal that ends them once
+    # under way, each rank sees at its start that the launcher is gone.
+    launcher = launcher_runs["SIGKILL to the launcher while starting"]
+    assert launcher.returncode == -signal.SIGKILL and launcher.gone < STARTING, launcher

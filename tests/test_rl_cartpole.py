@@ -1,14 +1,11 @@
 """rpc_rl_cartpole.py: an agent and observers playing CartPole-v1 over RPC."""
 import re
-import socket
-import time
 
 import pytest
 import torch
 
 import rpc_rl_cartpole as rl
-from conftest import (HANG, RL_EPISODES, ROOT, assert_no_traceback, assert_succeeded, free_port, in_rpc_group,
-                      summary, wait_all)
+from conftest import RL_EPISODES, assert_no_traceback, assert_succeeded, in_rpc_group, summary
 
 
 def episodes(out):
@@ -95,28 +92,11 @@ def test_observer_calls_the_agent_twice_per_step():
     in_rpc_group(check_observer_calls_the_agent_twice_per_step)
 
 
-def test_an_observer_call_that_times_out_stops_the_run(run, tmp_path):
-    # A copy of the script whose agent answers its fifth select_action late, as a slow agent on a busy machine
-    # would; the observer's --timeout is shorter. Its call must not end the episode quietly (the agent would then
-    # train on log-probs and rewards that do not match): the observer says why and ends, and the agent, which lost
-    # it, ends too. The observer starts once the agent listens, so that its short --timeout only bounds the call.
-    slow = tmp_path / "rpc_rl_cartpole.py"
-    slow.write_text((ROOT / "rpc_rl_cartpole.py").read_text().replace(
-        "    def select_action(self, ob_id, state):\n", "    def select_action(self, ob_id, state):\n"
-        "        self.calls = getattr(self, 'calls', 0) + 1\n        time.sleep(10 if self.calls == 5 else 0)\n", 1))
-    assert "self.calls == 5" in slow.read_text()
-    short, port = 5, free_port()
-    flags = ["--world_size=2", "--master_port", port, "--max_episodes=3"]
-    agent = run(slow, *flags, "--rank=0", "--timeout", 60)
-    deadline = time.monotonic() + HANG
-    while True:
-        with socket.socket() as probe:
-            if probe.connect_ex(("localhost", port)) == 0:
-                break
-        assert agent.proc.poll() is None and time.monotonic() < deadline, agent
-        time.sleep(0.1)
-    observer = run(slow, *flags, "--rank=1", "--timeout", short)
-    wait_all([observer, agent])
+def test_an_observer_call_that_times_out_stops_the_run(shared_runs):
+    # The agent answers the fifth select_action later than the observer's --timeout (conftest.slow_agent). The
+    # call must not end the episode quietly (the agent would then train on log-probs and rewards that do not
+    # match): the observer says why and ends, and the agent, which lost it, ends too.
+    agent, observer = shared_runs["rl slow"]
     assert observer.returncode == 1 and agent.returncode == 1, (agent, observer)
     assert_no_traceback(observer.err + agent.err)
     assert re.search(r"^Error on rank 1 \(obs1\): RuntimeError: .*timeout", observer.err, re.M), observer

@@ -1,6 +1,7 @@
-"""Several machines for real (issue 34): a machine that vanishes, ranks that a person starts one by one, ranks
+"""Several machines: a machine that vanishes, ranks that a person starts one by one, ranks
 that are not of one run, and torchrun across two machines. The machines are two network namespaces
-(conftest's two_hosts); their tests skip, saying why, where namespaces cannot be made.
+(conftest's two_hosts); their tests skip, saying why, where namespaces cannot be made. The ranks started by hand
+and the mismatched ones are among conftest's shared runs.
 
 Time limits here tell "bounded" from "hangs" only, each far above the slowest seen on two shared cores."""
 import re
@@ -9,12 +10,10 @@ import time
 
 import pytest
 
-from conftest import Run, assert_no_traceback, free_port, stop_all, summary, tiny_mnist_flags, wait_all
+from conftest import Run, assert_no_traceback, free_port, stop_all, tiny_mnist_flags, two_hosts, wait_all
 
 TIMEOUT = 10  # --timeout of the runs whose machine vanishes: how long a rank waits for an answer
 VANISHED = 3 * (TIMEOUT + 5)  # every process has ended within this of the link going down (seen: 10.0-10.9 s)
-LATE = 2  # seconds that a rank started by hand waits for the next one before it is started
-SIZES = 5  # --timeout of the two ranks of different --world_size: they never meet
 HANG = 240  # a run's own limit: only keeps a hang from running forever
 
 
@@ -45,90 +44,6 @@ ONLY_WAIT = {("rpc_rnn_model_parallel.py", 0), ("rpc_parameter_server.py", 0), (
 TIMED_OUT = ("RPC ran for more than set timeout", "Timed out waiting")  # an RPC's timeout, a Gloo collective's
 
 
-def test_a_vanished_machine_ends_every_process_on_both(run, two_hosts, tiny_mnist):
-    # A power loss or a pulled cable closes no connection: only a timeout can notice. Before issue 34, CartPole's
-    # observer, DDP's trainer 1, master and parameter server waited with no limit (timeout=0, Gloo's 30 minutes).
-    (host_a, host_b), (addr_a, _) = two_hosts
-    runs = []
-    for script, world_size, flags, _, _ in VANISHING:
-        common = [f"--world_size={world_size}", "--master_addr", addr_a, "--master_port", free_port(),
-                  "--timeout", TIMEOUT, *flags, *(tiny_mnist_flags(tiny_mnist) if "server" in script else [])]
-        runs.append([run(script, *common, f"--rank={rank}", netns=host_b if rank else host_a,
-                         env={"OMP_NUM_THREADS": "1"}) for rank in range(world_size)])
-    for (script, _, _, printer, line), ranks in zip(VANISHING, runs):
-        ranks[printer].wait_for(line)
-    subprocess.run(["ip", "-n", host_a, "link", "set", "v" + host_a[3:], "down"], check=True)
-    down = time.monotonic()
-    wait_all([proc for ranks in runs for proc in ranks], VANISHED)
-    assert time.monotonic() - down < VANISHED
-    for (script, *_), ranks in zip(VANISHING, runs):
-        for rank, proc in enumerate(ranks):
-            line = one_error_line(proc)
-            lost = re.search(r"lost contact with rank (\d+) \((\w+)\)", line)
-            if (script, rank) in ONLY_WAIT or not any(phrase in line for phrase in TIMED_OUT):
-                # ... and it names a rank on the other machine
-                assert lost and (int(lost[1]) == 0) != (rank == 0), f"{script} rank {rank}: {proc}"
-
-
-@pytest.fixture(scope="module")
-def by_hand(tmp_path_factory):
-    """Ranks started one terminal each, side by side, all ended before any test reads them. A dict of lists of
-    runs: "late", the RNN's rank 0 as the README starts it (no --timeout) and its rank 1 started LATE s after
-    rank 0 said what it waits for, on port "late port"; "scripts", the RNN's rank 0 and CartPole's rank 1 on one
-    port; "sizes", CartPole's rank 0 at --world_size 2 and its rank 1 at 3 on one port."""
-    started = []
-
-    def start(script, *args):
-        started.append(Run(script, args, cwd=tmp_path_factory.mktemp("hand"), env={"OMP_NUM_THREADS": "1"}))
-        return started[-1]
-
-    late_port, scripts_port, sizes_port = free_port(), free_port(), free_port()
-    runs = {"late port": late_port,
-            "late": [start("rpc_rnn_model_parallel.py", "--rank=0", "--master_port", late_port, "--epochs=1")],
-            # --timeout only bounds a failure here: these two ranks meet as soon as both have started
-            "scripts": [start("rpc_rnn_model_parallel.py", "--rank=0", "--master_port", scripts_port),
-                        start("rpc_rl_cartpole.py", "--rank=1", "--master_port", scripts_port)],
-            "sizes": [start("rpc_rl_cartpole.py", f"--rank={rank}", f"--world_size={2 + rank}", "--master_port",
-                            sizes_port, "--timeout", SIZES) for rank in (0, 1)]}
-    try:
-        first, deadline = runs["late"][0], time.monotonic() + HANG
-        while "waits up to" not in first.err and first.proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        time.sleep(LATE)
-        runs["late"].append(start("rpc_rnn_model_parallel.py", "--rank=1", "--master_port", late_port, "--epochs=1"))
-        wait_all(started, HANG)
-        yield runs
-    finally:
-        stop_all(started)
-
-
-def test_ranks_started_by_hand_wait_minutes_for_each_other(by_hand):
-    # Each says once what it waits for: without --timeout, minutes (a lone one still ends after that, the README
-    # says); the rank started later joins, and they train.
-    for rank, proc in enumerate(by_hand["late"]):
-        assert proc.returncode == 0, proc
-        assert_no_traceback(proc.err)
-        assert re.findall(r"^Rank \d+ waits up to .*$", proc.err, re.M) == [
-            f"Rank {rank} waits up to 300 s for all 2 ranks at localhost:{by_hand['late port']}"], proc
-    assert summary(by_hand["late"][1].out)["epochs"] == "1"
-
-
-def test_ranks_of_two_scripts_on_one_port_both_stop(by_hand):
-    # Before issue 34 both exited 0 without training: each script's done-RPC answered the other's.
-    rnn, cartpole = by_hand["scripts"]
-    prefix = "not all 2 ranks of this script met at localhost:"
-    assert prefix in one_error_line(rnn) and "could not find destination name trainer" in one_error_line(rnn), rnn
-    assert prefix in one_error_line(cartpole) and "destination name agent" in one_error_line(cartpole), cartpole
-
-
-def test_ranks_of_two_world_sizes_on_one_port_both_stop(by_hand):
-    # Each names the world size it waited for; the one whose meeting its peer left says so in the same words.
-    for world_size, proc in enumerate(by_hand["sizes"], start=2):
-        line = one_error_line(proc)
-        assert re.search(rf"\): not all {world_size} ranks of this script met at localhost:\d+(:| within {SIZES} s: "
-                         r"check --world_size and --master_port\.$)", line), proc
-
-
 def torchrun(host, addr, endpoint, nproc):
     """torchrun's flags for one machine of two: c10d rendezvous at endpoint, hosted by the machine that has that
     address (is_host: its hostname resolves to 127.0.0.1, so torchrun cannot tell), each machine naming its own
@@ -138,22 +53,103 @@ def torchrun(host, addr, endpoint, nproc):
             f"--local_addr={addr}"]
 
 
-def test_torchrun_across_two_machines(run, two_hosts):
+TORCHRUN = {"ddp_rpc_hybrid.py": 2, "rpc_rnn_model_parallel.py": 1}  # processes per machine
+
+
+@pytest.fixture(scope="module")
+def machines(tmp_path_factory, tiny_mnist):
+    """Runs across two pairs of machines, started together so that torchrun's runs train while the others wait
+    out their --timeout, all ended before any test reads them. "vanished": the runs of VANISHING, by script (a
+    list of ranks), rank 0 on host A and the others on B, each under way when A's link went down, "down" seconds
+    later all had ended, "hosts" and "addrs" of that pair; "torchrun": by script of TORCHRUN, the two torchrun
+    processes, one on each machine of the other pair, "torchrun addrs" their addresses."""
+    started, runs = [], {"vanished": {}, "torchrun": {}}
+
+    def start(script, *args, netns, **kwargs):
+        started.append(Run(script, args, cwd=tmp_path_factory.mktemp("machine"), netns=netns, **kwargs))
+        return started[-1]
+
+    with two_hosts() as ((host_a, host_b), (addr_a, _)), two_hosts() as (hosts, addrs):
+        runs.update(hosts=(host_a, host_b), addrs=addr_a, **{"torchrun addrs": addrs})
+        for script, world_size, flags, _, _ in VANISHING:
+            common = [f"--world_size={world_size}", "--master_addr", addr_a, "--master_port", free_port(),
+                      "--timeout", TIMEOUT, *flags, *(tiny_mnist_flags(tiny_mnist) if "server" in script else [])]
+            runs["vanished"][script] = [start(script, *common, f"--rank={rank}", netns=host_b if rank else host_a,
+                                              env={"OMP_NUM_THREADS": "1"}) for rank in range(world_size)]
+        for script, nproc in TORCHRUN.items():
+            endpoint = f"{addrs[0]}:{free_port()}"
+            runs["torchrun"][script] = [start(script, "--epochs=2", netns=host, python_args=torchrun(
+                host, addr, endpoint, nproc)) for host, addr in zip(hosts, addrs)]
+        try:
+            for script, _, _, printer, line in VANISHING:
+                runs["vanished"][script][printer].wait_for(line)
+            subprocess.run(["ip", "-n", host_a, "link", "set", "v" + host_a[3:], "down"], check=True)
+            down = time.monotonic()
+            wait_all([proc for ranks in runs["vanished"].values() for proc in ranks], VANISHED)
+            runs["down"] = time.monotonic() - down
+            wait_all(started, HANG)
+            yield runs
+        finally:
+            stop_all(started)
+
+
+def test_a_vanished_machine_ends_every_process_on_both(machines):
+    # A power loss or a pulled cable closes no connection: only a timeout can notice (CartPole's observer, DDP's
+    # trainer 1, master and parameter server once waited with no limit: timeout=0, Gloo's 30 minutes). Until then,
+    # every script trains across the two machines with --master_addr only: here, as on many cloud images, the
+    # hostname resolves to 127.0.0.1, and each rank must pick the interface that reaches the master.
+    (host_a, host_b), addr_a = machines["hosts"], machines["addrs"]
+    assert machines["down"] < VANISHED
+    for script, ranks in machines["vanished"].items():
+        for rank, proc in enumerate(ranks):
+            veth = "v" + (host_b if rank else host_a)[3:]
+            assert f"Rank {rank}: using network interface {veth} to reach {addr_a}\n" in proc.out, proc
+            line = one_error_line(proc)
+            lost = re.search(r"lost contact with rank (\d+) \((\w+)\)", line)
+            if (script, rank) in ONLY_WAIT or not any(phrase in line for phrase in TIMED_OUT):
+                # ... and it names a rank on the other machine
+                assert lost and (int(lost[1]) == 0) != (rank == 0), f"{script} rank {rank}: {proc}"
+
+
+def test_torchrun_across_two_machines(machines):
     # The README's multi-node command, on the DDP example (two processes per machine) and the RNN (one each).
-    hosts, addrs = two_hosts
-    cases = {"ddp_rpc_hybrid.py": (2, ["--epochs=2"]), "rpc_rnn_model_parallel.py": (1, ["--epochs=2"])}
-    agents = {}
-    for script, (nproc, flags) in cases.items():
-        endpoint = f"{addrs[0]}:{free_port()}"
-        agents[script] = [run(script, *flags, netns=host, python_args=torchrun(host, addr, endpoint, nproc))
-                          for host, addr in zip(hosts, addrs)]
-    wait_all([agent for both in agents.values() for agent in both], HANG)
-    for script, both in agents.items():
+    addrs = machines["torchrun addrs"]
+    for script, both in machines["torchrun"].items():
         for agent in both:
             assert agent.returncode == 0, agent
         out = "".join(agent.out for agent in both)
         # every rank reached the master over the link between the machines, not over 127.0.0.1
         assert len(re.findall(rf"^Rank \d: using network interface v\w+ to reach ({'|'.join(map(re.escape, addrs))})$",
-                              out, re.M)) == 2 * cases[script][0], both
+                              out, re.M)) == 2 * TORCHRUN[script], both
         assert out.count("Summary:") == 1, both
-    assert "fc_in_sync=true" in "".join(agent.out for agent in agents["ddp_rpc_hybrid.py"])
+    assert "fc_in_sync=true" in "".join(agent.out for agent in machines["torchrun"]["ddp_rpc_hybrid.py"])
+
+
+def test_ranks_started_by_hand_wait_minutes_for_each_other(shared_runs):
+    # The RNN's ranks with the README's flags, rank 1 started after rank 0 said what it waits for. Each says it
+    # once: without --timeout, minutes (a lone one still ends after that, the README says); they meet and train.
+    ranks = shared_runs["rnn ranks"]
+    where = re.search(r"--master_addr (\S+) --master_port (\d+)", " ".join(ranks[0].proc.args)).groups()
+    for rank, proc in enumerate(ranks):
+        assert proc.returncode == 0, proc
+        assert_no_traceback(proc.err)
+        assert re.findall(r"^Rank \d+ waits up to .*$", proc.err, re.M) == [
+            f"Rank {rank} waits up to 300 s for all 2 ranks at {':'.join(where)}"], proc
+    assert "Summary: epochs=" in ranks[1].out, ranks[1]
+
+
+def test_ranks_of_two_scripts_on_one_port_both_stop(shared_runs):
+    # Without a check both would exit 0 without training: each script's done-RPC would answer the other's.
+    rnn, cartpole = shared_runs["scripts"]
+    prefix = "not all 2 ranks of this script met at localhost:"
+    assert prefix in one_error_line(rnn) and "could not find destination name trainer" in one_error_line(rnn), rnn
+    assert prefix in one_error_line(cartpole) and "destination name agent" in one_error_line(cartpole), cartpole
+
+
+def test_ranks_of_two_world_sizes_on_one_port_both_stop(shared_runs):
+    # Each names the world size it waited for; the one whose meeting its peer left says so in the same words.
+    for world_size, proc in enumerate(shared_runs["sizes"], start=2):
+        line = one_error_line(proc)
+        assert re.search(rf"\): not all {world_size} ranks of this script met at localhost:\d+(:| within 5 s: "
+                         r"check --world_size and --master_port\.$)", line), proc
+
