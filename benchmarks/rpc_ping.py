@@ -11,9 +11,9 @@ untimed and then --calls steps timed, one call at a time, and returns the time. 
 `Ping: steps=N seconds=... us_per_call=... us_per_step=...`; us_per_step (two calls) is the least one CartPole
 step over RPC can add to the same step in one process.
 
-Both ranks set up RPC as rpc_rl_cartpole.py's agent (rank 0) and observer (rank 1) do: the script's own
-backend_options (TensorPipe, TCP only: _transports=["uv"]), one RPC thread on rank 0 and TensorPipe's 16 on
-rank 1, one intra-op thread each. --transports default (on both ranks) leaves out _transports, so TensorPipe
+Both ranks set up RPC as rpc_rl_cartpole.py's agent (rank 0) and observer (rank 1) do, with their names (the
+script's deadline checks them), the script's own backend_options (TensorPipe, TCP only: _transports=["uv"]), one
+RPC thread on rank 0 and TensorPipe's 16 on rank 1, one intra-op thread each. --transports default (on both ranks) leaves out _transports, so TensorPipe
 adds its shared-memory transport: not what the scripts run.
 """
 import argparse
@@ -68,10 +68,10 @@ def main(argv=None):
         options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://{args.master_addr}:{args.master_port}",
                                                   rpc_timeout=args.timeout, num_worker_threads=threads)
     with rl.deadline(args.rank, script_args):
-        rpc.init_rpc(f"ping{args.rank}", rank=args.rank, world_size=2, rpc_backend_options=options)
+        rpc.init_rpc(rl.worker_name(args.rank, 2), rank=args.rank, world_size=2, rpc_backend_options=options)
     if args.rank == 0:
         target = rpc.RRef(Target())  # owned here, as the agent owns agent_rref
-        seconds = rpc.rpc_sync("ping1", time_steps, args=(target, args.calls, args.warmup), timeout=0)
+        seconds = rpc.rpc_sync(rl.worker_name(1, 2), time_steps, args=(target, args.calls, args.warmup), timeout=0)
         print(f"Ping: steps={args.calls} seconds={seconds:.4f} us_per_call={1e6 * seconds / args.calls / 2:.1f} "
               f"us_per_step={1e6 * seconds / args.calls:.1f}", flush=True)
     rpc.shutdown(timeout=args.timeout)
