@@ -13,7 +13,9 @@ import pytest
 from conftest import Run, assert_no_traceback, free_port, stop_all, tiny_mnist_flags, two_hosts, wait_all
 
 TIMEOUT = 10  # --timeout of the runs whose machine vanishes: how long a rank waits for an answer
-VANISHED = 3 * (TIMEOUT + 5)  # every process gone within this of the link going down (seen: 10.3 s; beside a second suite: 11.3 s)
+# Every process is gone within VANISHED of the link going down (seen while the whole suite ran: 10.3 s; beside a
+# second copy of it: 11.3 s).
+VANISHED = 3 * (TIMEOUT + 5)
 HANG = 240  # a run's own limit: only keeps a hang from running forever
 
 
