@@ -51,15 +51,3 @@ def test_batches_are_embedding_bags_of_learnable_classes():
 def test_one_trainer_has_no_replica_to_compare(shared_runs):
     # World size 3: the one trainer's replica compared with itself would prove nothing.
     assert summary(shared_runs["ddp 3"].out)["fc_in_sync"] == "n/a", shared_runs["ddp 3"]
-
-
-def test_a_trainer_without_a_gpu_puts_every_trainer_on_the_cpu(shared_runs):
-    # trainer0 on a host that says it has two GPUs (conftest.two_gpus), trainer1 on one with none. DDP needs one
-    # device type in all replicas: both train on the CPU with Gloo, and each says why, instead of trainer0 choosing
-    # NCCL on its GPU and the group failing.
-    ranks = shared_runs["ddp mixed"]
-    assert_succeeded(*ranks)
-    for trainer in (0, 1):
-        line = rf"^trainer{trainer}: DDP on cpu with gloo \(no GPU for trainer1\)$"
-        assert re.search(line, ranks[trainer].out, re.M), ranks[trainer]
-    assert summary(ranks[2].out)["fc_in_sync"] == "true", ranks[2]  # rank 2, the master

@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from conftest import Run, assert_no_traceback, free_port, stop_all, tiny_mnist_flags, two_hosts, wait_all
+from conftest import (Run, assert_no_traceback, free_port, stop_all, tiny_mnist_flags, two_gpus, two_hosts,
+                      wait_all)
 
 TIMEOUT = 10  # --timeout of the runs whose machine vanishes: how long a rank waits for an answer
 # Every process is gone within VANISHED of the link going down (seen while the whole suite ran: 10.3 s; beside a
@@ -63,8 +64,9 @@ def machines(tmp_path_factory, tiny_mnist):
     """Runs across two pairs of machines, started together so that torchrun's runs train while the others wait
     out their --timeout, all ended before any test reads them. "vanished": the runs of VANISHING, by script (a
     list of ranks), rank 0 on host A and the others on B, each under way when A's link went down, "down" seconds
-    later all had ended, "hosts" and "addrs" of that pair; "torchrun": by script of TORCHRUN, the two torchrun
-    processes, one on each machine of the other pair, "torchrun addrs" their addresses."""
+    later all had ended, "hosts" and "addrs" of that pair (no rank sees a GPU, but DDP's rank 0 runs two_gpus());
+    "torchrun": by script of TORCHRUN, the two torchrun processes, one on each machine of the other pair,
+    "torchrun addrs" their addresses."""
     started, runs = [], {"vanished": {}, "torchrun": {}}
 
     def start(script, *args, netns, **kwargs):
@@ -76,8 +78,11 @@ def machines(tmp_path_factory, tiny_mnist):
         for script, world_size, flags, _, _ in VANISHING:
             common = [f"--world_size={world_size}", "--master_addr", addr_a, "--master_port", free_port(),
                       "--timeout", TIMEOUT, *flags, *(tiny_mnist_flags(tiny_mnist) if "server" in script else [])]
-            runs["vanished"][script] = [start(script, *common, f"--rank={rank}", netns=host_b if rank else host_a,
-                                              env={"OMP_NUM_THREADS": "1"}) for rank in range(world_size)]
+            gpus = two_gpus(tmp_path_factory.mktemp("gpus")) if script == "ddp_rpc_hybrid.py" else script
+            runs["vanished"][script] = [start(gpus if rank == 0 else script, *common, f"--rank={rank}",
+                                              netns=host_b if rank else host_a,
+                                              env={"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
+                                        for rank in range(world_size)]
         for script, nproc in TORCHRUN.items():
             endpoint = f"{addrs[0]}:{free_port()}"
             runs["torchrun"][script] = [start(script, "--epochs=2", netns=host, python_args=torchrun(
@@ -111,6 +116,16 @@ def test_a_vanished_machine_ends_every_process_on_both(machines):
             if (script, rank) in ONLY_WAIT or not any(phrase in line for phrase in TIMED_OUT):
                 # ... and it names a rank on the other machine
                 assert lost and (int(lost[1]) == 0) != (rank == 0), f"{script} rank {rank}: {proc}"
+
+
+def test_a_trainer_without_a_gpu_puts_every_trainer_on_the_cpu(machines):
+    # trainer0 on a host that says it has two GPUs, trainer1 on one with none (the vanished case's DDP run, before
+    # the link went down). DDP needs one device type in all replicas: both train on the CPU with Gloo, and each says
+    # why, instead of trainer0 choosing NCCL on its GPU and the group failing.
+    ranks = machines["vanished"]["ddp_rpc_hybrid.py"]
+    for trainer in (0, 1):
+        assert f"trainer{trainer}: DDP on cpu with gloo (no GPU for trainer1)\n" in ranks[trainer].out, ranks[trainer]
+    assert "Training done for epoch 1 " in ranks[1].out, ranks[1]
 
 
 def test_torchrun_across_two_machines(machines):
