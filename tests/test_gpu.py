@@ -40,26 +40,28 @@ def test_rnn_embedding_table_on_cuda():
     in_rpc_group(check_rnn_embedding_table_on_cuda)  # spawned: this test process never touches CUDA
 
 
-@needs_gpus(2)  # two trainers, so that NCCL really carries DDP's gradients between two GPUs
-def test_ddp_one_trainer_per_gpu_over_nccl_in_sync(run):
-    proc = run("ddp_rpc_hybrid.py", "--world_size=4", f"--epochs={DDP_EPOCHS}", "--timeout", 60).wait()
+def ddp_one_command(run, **env):
+    """DDP at the tutorial's world size 4, one command with `env` added: it succeeds, its replicas in sync."""
+    proc = run("ddp_rpc_hybrid.py", "--world_size=4", f"--epochs={DDP_EPOCHS}", "--timeout", 60, env=env).wait()
     assert proc.returncode == 0, proc
     assert_no_traceback(proc.err)
+    assert summary(proc.out)["fc_in_sync"] == "true", proc
+    return proc
+
+
+@needs_gpus(2)  # two trainers, so that NCCL really carries DDP's gradients between two GPUs
+def test_ddp_one_trainer_per_gpu_over_nccl_in_sync(run):
+    proc = ddp_one_command(run)
     for trainer in (0, 1):
         assert re.search(rf"^trainer{trainer}: DDP on cuda:{trainer} with nccl$", proc.out, re.M), proc
-    assert summary(proc.out)["fc_in_sync"] == "true", proc
 
 
 @needs_gpus(2)
 def test_ddp_one_command_gives_each_trainer_its_own_gpu_whatever_local_rank_says(run):
     # Started from a shell or a job that set LOCAL_RANK: a one-command run still numbers its trainers by rank.
-    proc = run("ddp_rpc_hybrid.py", "--world_size=4", f"--epochs={DDP_EPOCHS}", "--timeout", 60,
-               env={"LOCAL_RANK": "0"}).wait()
-    assert proc.returncode == 0, proc
-    assert_no_traceback(proc.err)
+    proc = ddp_one_command(run, LOCAL_RANK="0")
     for trainer in (0, 1):
         assert re.search(rf"^trainer{trainer}: DDP on cuda:{trainer} with nccl$", proc.out, re.M), proc
-    assert summary(proc.out)["fc_in_sync"] == "true", proc
 
 
 @needs_gpus(2)
@@ -82,10 +84,6 @@ def test_ddp_trainers_on_two_hosts_each_use_their_own_hosts_gpu(run):
 @needs_gpus(1)
 def test_ddp_a_trainer_without_its_gpu_puts_every_trainer_on_the_cpu(run):
     # One GPU shown: trainer0 has cuda:0, trainer1 no cuda:1. DDP needs one device type: both use the CPU and Gloo.
-    proc = run("ddp_rpc_hybrid.py", "--world_size=4", f"--epochs={DDP_EPOCHS}", "--timeout", 60,
-               env={"CUDA_VISIBLE_DEVICES": "0"}).wait()
-    assert proc.returncode == 0, proc
-    assert_no_traceback(proc.err)
+    proc = ddp_one_command(run, CUDA_VISIBLE_DEVICES="0")
     for trainer in (0, 1):
         assert re.search(rf"^trainer{trainer}: DDP on cpu with gloo \(no GPU for trainer1\)$", proc.out, re.M), proc
-    assert summary(proc.out)["fc_in_sync"] == "true", proc
