@@ -6,6 +6,7 @@ import ipaddress
 import multiprocessing
 import multiprocessing.connection
 import os
+import random
 import re
 import shutil
 import signal
@@ -30,6 +31,7 @@ USER_ENV = dict(os.environ)
 
 # The four scripts, as module names; each is the file ROOT / f"{name}.py".
 SCRIPTS = ["rpc_parameter_server", "rpc_rl_cartpole", "rpc_rnn_model_parallel", "ddp_rpc_hybrid"]
+SCRIPT_FILES = [f"{name}.py" for name in SCRIPTS]
 
 # Tiny MNIST and the shared runs' settings: tests derive what they expect from these.
 MNIST_TRAIN, MNIST_TEST = 64, 32  # images in the tiny MNIST
@@ -47,13 +49,23 @@ _reserved = []  # the sockets that hold free_port's ports for the whole session
 
 
 def free_port():
-    """A free port (never a hard-coded one), held for the session as the scripts' launchers hold theirs: bound
-    on every address, never listening, so the OS gives it to no one else, while a rank 0 can still listen on it."""
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("", 0))
-    _reserved.append(sock)
-    return sock.getsockname()[1]
+    """A free port (never a hard-coded one), held for the session: bound on every address, never listening, so
+    that no other test takes it, while a rank 0 can still listen on it. It lies below the range the OS hands out,
+    where a one-command run picks its port, so a port that such a run has picked is never handed to a test."""
+    low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    while True:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        port = random.randrange(max(1024, low - 10000), low)
+        try:
+            if port in [held.getsockname()[1] for held in _reserved]:
+                raise OSError("held already")
+            sock.bind(("", port))
+        except OSError:  # taken
+            sock.close()
+            continue
+        _reserved.append(sock)
+        return sock.getsockname()[1]
 
 
 def own_address():
@@ -244,7 +256,9 @@ def shared_runs(tmp_path_factory, tiny_mnist):
     - "rl slow": [agent, observer] of slow_agent(), the observer, whose --timeout is SLOW / 2, started once the
       agent says it waits;
     - "scripts": the RNN's rank 0 and CartPole's rank 1 on one port; "sizes": CartPole's rank 0 at --world_size 2
-      and its rank 1 at 3 on one port, --timeout 5."""
+      and its rank 1 at 3 on one port, --timeout 2;
+    - "copy SCRIPT": tests/learner.py on each script: its tutorial classes copied into a program of a learner's
+      own, without the plumbing, driven by the upstream examples' launcher."""
     started = []
 
     def start(script, *args, python_args=(), timeout=120):
@@ -260,7 +274,7 @@ def shared_runs(tmp_path_factory, tiny_mnist):
     def once_waiting(first, *args, late=0, **kwargs):
         """Start a rank as a person would, `late` s after `first` has said what it waits for."""
         deadline = time.monotonic() + HANG
-        while "waits up to" not in first.err and first.proc.poll() is None and time.monotonic() < deadline:
+        while " waits " not in first.err and first.proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
         time.sleep(late)
         return start(*args, **kwargs)
@@ -286,8 +300,10 @@ def shared_runs(tmp_path_factory, tiny_mnist):
         # these two pairs meet as soon as both have started
         "scripts": [start("rpc_rnn_model_parallel.py", "--rank=0", "--master_port", scripts_port),
                     start("rpc_rl_cartpole.py", "--rank=1", "--master_port", scripts_port)],
+        **{f"copy {script}": start(ROOT / "tests" / "learner.py", ROOT / script, free_port(), free_port(),
+                                   tiny_mnist, timeout=None) for script in SCRIPT_FILES},
         "sizes": [start("rpc_rl_cartpole.py", f"--rank={rank}", f"--world_size={2 + rank}", "--master_port",
-                        sizes_port, timeout=5) for rank in (0, 1)],  # 5: tests/test_several_machines.py
+                        sizes_port, timeout=2) for rank in (0, 1)],  # they wait 5 * 2 s to meet
     }
     try:
         runs["rl slow"].append(once_waiting(runs["rl slow"][0], slow, "--rank=1", *slow_port, timeout=SLOW / 2))

@@ -1,5 +1,6 @@
-"""Bad arguments: exit 2, argparse's usage and one line naming the problem."""
+"""Bad arguments: exit 2, argparse's usage and one line naming the problem; --help."""
 import importlib
+import re
 
 import pytest
 
@@ -7,8 +8,8 @@ SCRIPTS = ("rpc_parameter_server", "rpc_rl_cartpole", "rpc_rnn_model_parallel", 
 CASES = [
     # the common flags, in every script
     *[(module, argv, problem) for module in SCRIPTS for argv, problem in [
-        (["--world_size=3", "--rank=3"], "--rank must be in [0, 3) for --world_size 3, got 3"),
-        (["--world_size=2", "--rank=-1"], "--rank must be in [0, 2) for --world_size 2, got -1"),
+        (["--world_size=3", "--rank=3"], "--rank must be in [0, 3)"),
+        (["--world_size=2", "--rank=-1"], "--rank must be in [0, 2)"),
         (["--timeout=soon"], "argument --timeout: invalid float value: 'soon'"),
         (["--epoch=1"], "unrecognized arguments: --epoch=1"),  # no prefix matching
     ]],
@@ -36,3 +37,17 @@ def test_bad_arguments_exit_2(module, argv, problem, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert err.startswith("usage: "), err
     assert err.strip().splitlines()[-1].endswith(f": error: {problem}"), err
+
+
+@pytest.mark.parametrize("module", SCRIPTS)
+def test_help_shows_each_default_once_and_truly(module, capsys, monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(SystemExit):
+        importlib.import_module(module).parse_args(["--help"])
+    out = capsys.readouterr().out
+    entries = [" ".join(entry.split()) for entry in re.split(r"\n(?=  -)", out)]  # one per flag
+    for entry in entries:
+        assert entry.count("(default:") <= 1, entry
+    assert not any(entry.startswith("--master_port") and "None" in entry for entry in entries), out
+    assert "--timeout TIMEOUT Seconds to wait for a peer or RPC (5x to meet). (default: 60)" in entries

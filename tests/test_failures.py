@@ -27,13 +27,12 @@ HANG = TIMEOUT + 60  # a test's own limit: far above what the scripts promise
 # Bounds, each at least three times the slowest seen while the whole suite ran on 2 cores, and above the slowest
 # seen beside a second copy of the suite: a survivor of a killed peer, or a one-command run stopped under way, is
 # gone within AT_ONCE (seen: 2.2 s; beside: 3.3 s); a lone rank within LONE_BOUND of its start, torch's import
-# included (10.8 s; 20.7 s); a one-command run stopped while its ranks load torch within STARTING, each rank
-# ending once loaded (10.4 s; 19.8 s).
+# and its 5 * LONE s wait included (10.8 s; 20.7 s); a one-command run stopped while its ranks load torch within
+# STARTING, each rank ending once loaded (10.4 s; 19.8 s).
 AT_ONCE = 20
-LONE = 2  # --timeout of the runs whose peers never come
-LONE_BOUND = LONE + 43
+LONE = 1  # --timeout of the runs whose peers never come: they wait 5 s to meet
+LONE_BOUND = 5 * LONE + 40
 STARTING = 60
-PRESS_AGAIN = 10  # seconds after which a Ctrl-C that the launcher never saw is pressed again
 
 
 def error_lines(proc):
@@ -115,11 +114,9 @@ class Kill(NamedTuple):
     lines: dict  # rank: what its one line says
 
 
-# A rank killed mid-run, one terminal per rank (an idle rank 0 that loses its peer: "a rank killed" of the
-# one-command cases; every role of the four scripts: tests/test_several_machines.py). The RNN trainer loses its
-# parameter server (which hosts the store) under an RPC: torch says only "end of file" or "connection reset", to
-# which the line adds a hint.
-KILLS = [Kill(SCRIPT, 2, "Training epoch 1 loss", 1, 0, {1: "(a peer's process ended; see its output)"})]
+# A rank killed mid-run, one terminal per rank (every role of the four scripts: tests/test_several_machines.py).
+# The RNN trainer loses its parameter server (which hosts the store) under an RPC or between two.
+KILLS = [Kill(SCRIPT, 2, "Training epoch 1 loss", 1, 0, {1: "Error on rank 1 (trainer): "})]
 
 
 @pytest.fixture(scope="module")
@@ -177,25 +174,25 @@ def test_a_peer_that_never_arrives_or_never_answers(rank_runs):
     # torch's own rendezvous waits 30 minutes for a missing rank, and forever on a listener that never answers.
     for case, rank, name in (("a lone rank 1", 1, "trainer"), ("a listener that never answers", 1, "trainer")):
         proc = rank_runs[case]
-        assert_one_line(proc, f"Error on rank {rank} ({name}): not all 2 ranks of this script met at localhost:",
-                        f"within {LONE} s", "--master_port")
+        assert_one_line(proc, f"Error on rank {rank} ({name}): not all 2 ranks met at port ",
+                        "(check --world_size)")
         assert ended_at(proc) - proc.started < LONE_BOUND, f"{case}: {proc}"
 
 
 def test_a_port_in_use(rank_runs):
-    assert_one_line(rank_runs["a port in use"], "Error on rank 0 (ps): ", f"port: {rank_runs['taken']}",
-                    "address already in use")
+    # The port comes first, not the ranks that did not meet.
+    assert_one_line(rank_runs["a port in use"], f"Error on rank 0 (ps): port {rank_runs['taken']} is in use")
 
 
 def test_an_exception_inside_an_rpc_names_its_rank_and_cause(rank_runs):
     ps, trainer = rank_runs["an exception inside an RPC"]
-    assert_one_line(trainer, "Error on rank 1 (trainer): an RPC that ran on rank 0 (ps) raised "
+    assert_one_line(trainer, "Error on rank 1 (trainer): RuntimeError: On WorkerInfo(id=0, name=ps): "
                     "RuntimeError('mat1 and mat2 shapes cannot be multiplied")
     # Where the bug is, torch prints the remote traceback itself; the parameter server then loses its trainer.
     assert ps.returncode == 1, ps
     assert "On WorkerInfo(id=0, name=ps):\nRuntimeError('mat1 and mat2 shapes cannot be multiplied" in ps.err, ps
     assert re.search(r"line \d+, in forward\n +return self.decoder\(", ps.err), ps
-    assert error_lines(ps) == ["Error on rank 0 (ps): lost contact with rank 1 (trainer); see its output."], ps
+    assert error_lines(ps) == ["Error on rank 0 (ps): lost contact with rank 1"], ps
 
 
 def test_a_rank_killed_mid_run_stops_the_other_ranks(rank_runs):
@@ -208,7 +205,7 @@ def test_a_rank_killed_mid_run_stops_the_other_ranks(rank_runs):
                 assert_one_line(proc, f"Error on rank {rank} ", case.lines.get(rank, ""))
 
 
-STOPS = ("a rank killed", "Ctrl-C while starting", "SIGTERM to the launcher", "SIGKILL to the launcher while starting")
+STOPS = ("a rank killed", "Ctrl-C while starting", "SIGTERM to the launcher")
 
 
 @pytest.fixture(scope="module")
@@ -234,14 +231,6 @@ def launcher_runs(tmp_path_factory):
         # "While starting": both rank processes exist and are loading torch.
         act_when_ready(*[(runs[how], (lambda run: len(launched_ranks(run)) == 2) if how.endswith("starting")
                           else "Training epoch 1 loss", lambda how=how: stop(how)) for how in STOPS])
-        # A Ctrl-C that comes while the launcher starts its ranks, as they inherit its ignoring it, is lost (a few
-        # milliseconds, more on a loaded machine): a person presses again, and so does this, each PRESS_AGAIN s.
-        ctrl_c = runs["Ctrl-C while starting"]
-        for _ in range(2):
-            while ctrl_c.proc.poll() is None and time.monotonic() - ctrl_c.stopped < PRESS_AGAIN:
-                time.sleep(0.05)
-            if ctrl_c.proc.poll() is None and "Interrupted" not in ctrl_c.err:
-                stop("Ctrl-C while starting")
         for how, launcher in runs.items():
             launcher.wait(HANG)
             launcher.gone = wait_gone(launcher, launcher.stopped)
@@ -255,23 +244,22 @@ def test_a_rank_killed_in_a_one_command_run(launcher_runs):
     assert len(launcher.ranks) == 2, launcher
     assert launcher.returncode == 1 and launcher.gone < AT_ONCE, launcher
     assert_no_traceback(launcher.err)
-    # The parameter server says what it lost, then the launcher says which rank ended and that it stopped the rest.
-    assert error_lines(launcher) == ["Error on rank 0 (ps): lost contact with rank 1 (trainer); see its output."], launcher
-    assert launcher.err.strip().splitlines()[-1] == "Rank 1 (trainer) ended with SIGKILL: stopped every rank."
+    # The launcher's line, without torch's own "Terminating process ... via signal SIGTERM" before it.
+    assert launcher.err.strip().splitlines()[-1] == "process 1 terminated with signal SIGKILL: stopped every rank."
+    assert "Terminating process" not in launcher.err, launcher
 
 
-def test_stopping_a_one_command_run_stops_every_rank(launcher_runs):
-    # Ctrl-C while the ranks still load torch: they get it too, and end without a traceback.
-    for how, bound in (("Ctrl-C while starting", STARTING), ("SIGTERM to the launcher", AT_ONCE)):
-        launcher = launcher_runs[how]
-        assert launcher.returncode == 130 and launcher.gone < bound, f"{how}: {launcher}"
-        assert_no_traceback(launcher.err)
-        assert launcher.err.strip().splitlines()[-1] == "Interrupted: stopping every rank.", f"{how}: {launcher}"
-        assert error_lines(launcher) == [], f"{how}: {launcher}"  # the ranks were stopped, not lost
+def test_ctrl_c_while_starting_stops_every_rank(launcher_runs):
+    # The ranks still load torch: the launcher stops them, and says so.
+    launcher = launcher_runs["Ctrl-C while starting"]
+    assert launcher.returncode == 1 and launcher.gone < STARTING, launcher
+    assert_no_traceback(launcher.err)
+    assert launcher.err.strip().splitlines()[-1] == "Interrupted: stopped every rank.", launcher
+    assert error_lines(launcher) == [], launcher  # the ranks were stopped, not lost
 
 
-def test_a_killed_launcher_leaves_no_rank_behind(launcher_runs):
-    # While the ranks load torch, before torch.multiprocessing arms the parent-death signal that ends them once
-    # under way, each rank sees at its start that the launcher is gone.
-    launcher = launcher_runs["SIGKILL to the launcher while starting"]
-    assert launcher.returncode == -signal.SIGKILL and launcher.gone < STARTING, launcher
+def test_kill_stops_every_rank(launcher_runs):
+    # `kill` ends the launcher; torch.multiprocessing's parent-death signal ends its ranks.
+    launcher = launcher_runs["SIGTERM to the launcher"]
+    assert launcher.returncode == -signal.SIGTERM and launcher.gone < AT_ONCE, launcher
+    assert_no_traceback(launcher.err)

@@ -39,7 +39,7 @@ def test_one_observer_same_seed_same_episodes(shared_runs):
 
 
 def check_finish_episode_returns_and_loss():
-    agent = rl.Agent(1, rl.parse_args(["--gamma=0.5"]))  # no remote observers: two are faked by hand below
+    agent = rl.Agent(1, gamma=0.5)  # no remote observers: two are faked by hand below
     trajectories = {1: [1.0, 1.0, 1.0], 2: [1.0, 1.0]}
     log_probs = {ob: [torch.zeros(1, requires_grad=True) for _ in rewards] for ob, rewards in trajectories.items()}
     for ob, rewards in trajectories.items():
@@ -77,8 +77,7 @@ class RecordingAgent(rl.Agent):
 
 def check_observer_calls_the_agent_twice_per_step():
     # This process is both the agent and the observer: the observer's calls go through the agent's RRef as RPCs.
-    args = rl.parse_args([])
-    agent, observer = RecordingAgent(1, args), rl.Observer(args)
+    agent, observer = RecordingAgent(1), rl.Observer()
     agent.calls, agent.rewards[observer.id], agent.saved_log_probs[observer.id] = [], [], []
     observer.run_episode(agent.agent_rref)
     steps = len(agent.saved_log_probs[observer.id])
@@ -95,9 +94,10 @@ def test_observer_calls_the_agent_twice_per_step():
 def test_an_observer_call_that_times_out_stops_the_run(shared_runs):
     # The agent answers the fifth select_action later than the observer's --timeout (conftest.slow_agent). The
     # call must not end the episode quietly (the agent would then train on log-probs and rewards that do not
-    # match): the observer says why and ends, and the agent, which lost it, ends too.
+    # match): the episode fails, the agent's line says where and why, and the observer, which lost it, ends too.
     agent, observer = shared_runs["rl slow"]
     assert observer.returncode == 1 and agent.returncode == 1, (agent, observer)
-    assert_no_traceback(observer.err + agent.err)
-    assert re.search(r"^Error on rank 1 \(obs1\): RuntimeError: .*timeout", observer.err, re.M), observer
-    assert re.search(r"^Error on rank 0 \(agent\): ", agent.err, re.M) and "Summary:" not in agent.out, agent
+    assert_no_traceback(agent.err)
+    assert re.search(r"^Error on rank 0 \(agent\): RuntimeError: On WorkerInfo\(id=1, name=obs1\): "
+                     r"RuntimeError\(.*timeout", agent.err, re.M) and "Summary:" not in agent.out, agent
+    assert re.search(r"^Error on rank 1 \(obs1\): lost contact with rank 0$", observer.err, re.M), observer

@@ -25,9 +25,10 @@ def error_lines(proc):
 
 
 def one_error_line(proc):
-    """Exit status 1, no traceback, and exactly one error line, which it returns."""
+    """Exit status 1, exactly one error line, which it returns, and no traceback but torch's own report of
+    an exception raised inside an RPC that ran here (CartPole's episode, DDP's training)."""
     assert proc.returncode == 1, proc
-    assert_no_traceback(proc.err)
+    assert_no_traceback(re.sub(r"(?ms)^On WorkerInfo\(.*?^Traceback .*?^\S.*?$", "", proc.err))
     lines = error_lines(proc)
     assert len(lines) == 1, proc
     return lines[0]
@@ -110,9 +111,9 @@ def test_a_vanished_machine_ends_every_process_on_both(machines):
     for script, ranks in machines["vanished"].items():
         for rank, proc in enumerate(ranks):
             veth = "v" + (host_b if rank else host_a)[3:]
-            assert f"Rank {rank}: using network interface {veth} to reach {addr_a}\n" in proc.out, proc
+            assert f"Rank {rank}: interface {veth} reaches {addr_a}\n" in proc.out, proc
             line = one_error_line(proc)
-            lost = re.search(r"lost contact with rank (\d+) \((\w+)\)", line)
+            lost = re.search(r"lost contact with rank (\d+)$", line)
             if (script, rank) in ONLY_WAIT or not any(phrase in line for phrase in TIMED_OUT):
                 # ... and it names a rank on the other machine
                 assert lost and (int(lost[1]) == 0) != (rank == 0), f"{script} rank {rank}: {proc}"
@@ -136,7 +137,7 @@ def test_torchrun_across_two_machines(machines):
             assert agent.returncode == 0, agent
         out = "".join(agent.out for agent in both)
         # every rank reached the master over the link between the machines, not over 127.0.0.1
-        assert len(re.findall(rf"^Rank \d: using network interface v\w+ to reach ({'|'.join(map(re.escape, addrs))})$",
+        assert len(re.findall(rf"^Rank \d: interface v\w+ reaches ({'|'.join(map(re.escape, addrs))})$",
                               out, re.M)) == 2 * TORCHRUN[script], both
         assert out.count("Summary:") == 1, both
     assert "fc_in_sync=true" in "".join(agent.out for agent in machines["torchrun"]["ddp_rpc_hybrid.py"])
@@ -150,23 +151,22 @@ def test_ranks_started_by_hand_wait_minutes_for_each_other(shared_runs):
     for rank, proc in enumerate(ranks):
         assert proc.returncode == 0, proc
         assert_no_traceback(proc.err)
-        assert re.findall(r"^Rank \d+ waits up to .*$", proc.err, re.M) == [
-            f"Rank {rank} waits up to 300 s for all 2 ranks at {':'.join(where)}"], proc
+        assert re.findall(r"^Rank \d+ waits .*$", proc.err, re.M) == [
+            f"Rank {rank} waits 300 s for the others at {':'.join(where)}"], proc
     assert "Summary: epochs=" in ranks[1].out, ranks[1]
 
 
 def test_ranks_of_two_scripts_on_one_port_both_stop(shared_runs):
     # Without a check both would exit 0 without training: each script's done-RPC would answer the other's.
     rnn, cartpole = shared_runs["scripts"]
-    prefix = "not all 2 ranks of this script met at localhost:"
-    assert prefix in one_error_line(rnn) and "could not find destination name trainer" in one_error_line(rnn), rnn
-    assert prefix in one_error_line(cartpole) and "destination name agent" in one_error_line(cartpole), cartpole
+    prefix = "not all 2 ranks met at port "
+    assert prefix in one_error_line(rnn) and "name trainer" in one_error_line(rnn), rnn
+    assert prefix in one_error_line(cartpole) and "name agent" in one_error_line(cartpole), cartpole
 
 
 def test_ranks_of_two_world_sizes_on_one_port_both_stop(shared_runs):
-    # Each names the world size it waited for; the one whose meeting its peer left says so in the same words.
+    # Each names the world size it waited for, and the flag to check.
     for world_size, proc in enumerate(shared_runs["sizes"], start=2):
         line = one_error_line(proc)
-        assert re.search(rf"\): not all {world_size} ranks of this script met at localhost:\d+(:| within 5 s: "
-                         r"check --world_size and --master_port\.$)", line), proc
+        assert f"): not all {world_size} ranks met at port " in line and "check --world_size" in line, proc
 
