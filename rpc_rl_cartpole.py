@@ -233,11 +233,6 @@ def parse_args(argv=None):  # the tutorial parses at import: a function lets oth
                      f"got {args.world_size}")
     if args.log_interval <= 0:
         parser.error(f"--log_interval must be positive, got {args.log_interval}")
-    if not 0 < args.gamma <= 1:
-        parser.error(f"--gamma must be in (0, 1], got {args.gamma}")
-    if args.max_episodes < 0:
-        parser.error(f"--max_episodes must be 0 (until solved) or positive, "
-                     f"got {args.max_episodes}")
     return args
 
 

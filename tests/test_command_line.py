@@ -15,7 +15,6 @@ CASES = [
     ]],
     # world sizes too small for the roles, and each script's own flags
     ("rpc_rnn_model_parallel", ["--world_size=3"], "--world_size must be 2 (the parameter server and one trainer), got 3"),
-    ("rpc_rnn_model_parallel", ["--dropout=1"], "--dropout must be in [0, 1), got 1.0"),
     ("rpc_parameter_server", ["--world_size=1"], "--world_size must be at least 2 (one parameter server and a trainer), got 1"),
     ("rpc_parameter_server", ["--num_gpus=3"], "--num_gpus must be between 0 and 2, got 3"),
     ("rpc_parameter_server", ["--batch_size=0"], "--batch_size must be positive, got 0"),
