@@ -88,7 +88,9 @@ def ddp_rpc_hybrid(rank, world_size):
         rpc.init_rpc("master", rank=rank, world_size=world_size, rpc_backend_options=rpc_options)
         remote_emb_module = RemoteModule("ps", torch.nn.EmbeddingBag, args=(NUM_EMBEDDINGS, EMBEDDING_DIM),
                                          kwargs={"mode": "sum"})
-        futs = [rpc.rpc_async(f"trainer{r}", _run_trainer, args=(remote_emb_module, r)) for r in (0, 1)]
+        # The tutorial's call; a learner's keyword keeps 2 of its 100 epochs, for a short test.
+        futs = [rpc.rpc_async(f"trainer{r}", _run_trainer, args=(remote_emb_module, r), kwargs={"epochs": 2})
+                for r in (0, 1)]
         for fut in futs:
             fut.wait()
         print("Copied: pattern=ddp_rpc_hybrid")

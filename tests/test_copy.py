@@ -11,6 +11,7 @@ from conftest import SCRIPT_FILES, assert_succeeded, in_rpc_group
 @pytest.mark.parametrize("script", SCRIPT_FILES)
 def test_a_copied_class_takes_the_tutorials_call(script, shared_runs):
     proc = shared_runs[f"copy {script}"]
+    assert proc.returncode == 0, proc.err  # the whole of it: the cause may be far from the end
     assert_succeeded(proc)
     assert re.findall(r"^Copied: pattern=(\w+)", proc.out, re.M) == [script[:-3].removeprefix("rpc_")], proc
 
