@@ -1,27 +1,18 @@
-"""Two no-op calls per step through an RRef fork, as the CartPole tutorial's observer calls its agent, between two
-fresh processes on the transport the scripts use.
+"""The floor of a CartPole step over RPC: two no-op calls through an RRef fork, between two fresh processes.
 
-    python benchmarks/rpc_ping.py --rank=0 --master_port=PORT [--calls 2000] [--transports default] &
+    python benchmarks/rpc_ping.py --rank=0 --master_port=PORT [--steps 2000] &
     python benchmarks/rpc_ping.py --rank=1 --master_port=PORT
 
-Rank 0 plays the agent: it owns an object and an RRef to it, and sends the RRef to rank 1 in an RPC, as the
-agent sends agent_rref to each observer's run_episode. Rank 1 plays the observer: holding that fork, it calls
-`rref.rpc_sync().noop()` twice per step (the tutorial's select_action and report_reward), --warmup steps
-untimed and then --calls steps timed, one call at a time, and returns the time. Rank 0 prints
-`Ping: steps=N seconds=... us_per_call=... us_per_step=...`; us_per_step (two calls) is the least one CartPole
-step over RPC can add to the same step in one process.
-
-Both ranks set up RPC as rpc_rl_cartpole.py's agent (rank 0) and observer (rank 1) do, with their names (the
-script's deadline checks them), the script's own backend_options (TensorPipe, TCP only: _transports=["uv"]), one
-RPC thread on rank 0 and TensorPipe's 16 on rank 1, one intra-op thread each. --transports default (on both ranks) leaves out _transports, so TensorPipe
-adds its shared-memory transport: not what the scripts run.
+Rank 0 plays the agent: it owns an object, wraps it in an RRef and sends that to rank 1, as the agent sends
+agent_rref to each observer. Rank 1 plays the observer: per step it calls `rref.rpc_sync().noop()` twice (the
+tutorial's select_action and report_reward), one call at a time. Rank 0 prints `Ping: steps=N seconds=...
+us_per_step=...`. The transport and thread counts are the script's: TensorPipe over TCP only, one RPC thread on
+the agent, 16 on the observer.
 """
 import argparse
-import os
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import torch.distributed.rpc as rpc
 
 
 class Target:
@@ -41,40 +32,25 @@ def time_steps(rref, steps, warmup):
     return time.perf_counter() - start
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
-    parser.add_argument("--rank", type=int, required=True, choices=(0, 1))
-    parser.add_argument("--master_addr", default="localhost")
-    parser.add_argument("--master_port", type=int, default=29500)
-    parser.add_argument("--calls", type=int, default=2000, help="timed steps of two calls each")
-    parser.add_argument("--warmup", type=int, default=200, help="untimed steps first")
-    parser.add_argument("--timeout", type=float, default=60.0)
-    parser.add_argument("--transports", choices=("script", "default"), default="script",
-                        help="the scripts' (TCP only), or TensorPipe's defaults (adds shared memory, which busy-polls)")
-    args = parser.parse_args(argv)
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # as the scripts do, before torch loads
-    sys.path.insert(0, ROOT)
-    import torch
-    import torch.distributed.rpc as rpc
-    import rpc_rl_cartpole as rl
-
-    script_args = rl.parse_args(["--world_size=2", f"--rank={args.rank}", f"--master_addr={args.master_addr}",
-                                 f"--master_port={args.master_port}", f"--timeout={args.timeout}"])
-    torch.set_num_threads(1)  # as the script's run_worker
-    threads = 1 if args.rank == 0 else 16
-    if args.transports == "script":
-        options = rl.backend_options(script_args, num_worker_threads=threads)
-    else:
-        options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://{args.master_addr}:{args.master_port}",
-                                                  rpc_timeout=args.timeout, num_worker_threads=threads)
-    with rl.deadline(args.rank, script_args):
-        rpc.init_rpc(rl.worker_name(args.rank, 2), rank=args.rank, world_size=2, rpc_backend_options=options)
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    p.add_argument("--rank", type=int, required=True, choices=(0, 1))
+    p.add_argument("--master_addr", default="localhost")
+    p.add_argument("--master_port", type=int, default=29500)
+    p.add_argument("--steps", type=int, default=2000, help="timed steps of two calls each")
+    p.add_argument("--warmup", type=int, default=200, help="untimed steps first")
+    p.add_argument("--timeout", type=float, default=60.0)
+    args = p.parse_args()
+    # _transports=["uv"]: TCP only, as the scripts (TensorPipe's shared-memory transport busy-polls a core).
+    options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://{args.master_addr}:{args.master_port}",
+                                              rpc_timeout=args.timeout, _transports=["uv"],
+                                              num_worker_threads=1 if args.rank == 0 else 16)
+    rpc.init_rpc(["agent", "obs1"][args.rank], rank=args.rank, world_size=2, rpc_backend_options=options)
     if args.rank == 0:
-        target = rpc.RRef(Target())  # owned here, as the agent owns agent_rref
-        seconds = rpc.rpc_sync(rl.worker_name(1, 2), time_steps, args=(target, args.calls, args.warmup), timeout=0)
-        print(f"Ping: steps={args.calls} seconds={seconds:.4f} us_per_call={1e6 * seconds / args.calls / 2:.1f} "
-              f"us_per_step={1e6 * seconds / args.calls:.1f}", flush=True)
-    rpc.shutdown(timeout=args.timeout)
+        seconds = rpc.rpc_sync("obs1", time_steps, args=(rpc.RRef(Target()), args.steps, args.warmup), timeout=0)
+        print(f"Ping: steps={args.steps} seconds={seconds:.3f} us_per_step={1e6 * seconds / args.steps:.1f}",
+              flush=True)
+    rpc.shutdown()
 
 
 if __name__ == "__main__":
