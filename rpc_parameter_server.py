@@ -35,7 +35,6 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import optim
-from torch.distributed.elastic.utils.distributed import get_free_port
 from torch.distributed.optim import DistributedOptimizer
 
 
@@ -342,10 +341,10 @@ def deadline(rank, args):
     timer = threading.Timer(5 * args.timeout, fail, [rank, args, where])
     timer.start()
     try:
-        with warnings.catch_warnings():  # init_rpc's own
+        with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "You are using a Backend")
             yield
-        for peer in range(args.world_size):  # another script's ranks fail
+        for peer in range(args.world_size):
             rpc.get_worker_info(worker_name(peer, args.world_size))
     except Exception as exc:
         fail(rank, args, f"port {args.master_port} is in use" if "EADDRINUSE" in str(exc)
@@ -363,7 +362,7 @@ def rank_done(rank, done):
 
 
 def wait_for_peers(rank, args, futures=()):
-    # rpc.shutdown() would wait forever for a dead peer: ping all till done
+    # rpc.shutdown() waits forever for a dead peer
     while len(done_ranks) < args.world_size:
         time.sleep(1)
         for peer in range(args.world_size):
@@ -376,28 +375,28 @@ def wait_for_peers(rank, args, futures=()):
 
 def describe(exc):
     lines = str(exc).strip().splitlines() or [""]
-    if "On WorkerInfo" in lines[0]:  # raised in an RPC
+    if "On WorkerInfo" in lines[0]:  # from an RPC
         return " ".join(lines[:2])
     return f"{type(exc).__name__}: {lines[0]}"
 
 
 def fail(rank, args, why):
     print(f"Error on rank {rank} ({worker_name(rank, args.world_size)}): {why}", file=sys.stderr)
-    os._exit(1)  # sys.exit would wait for threads stuck on lost peers
+    os._exit(1)  # sys.exit waits for threads stuck on lost peers
 
 
 def run_rank(rank, args):
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C ends a rank even in torch's waits
     for stream in sys.stdout, sys.stderr:  # whole lines even unbuffered
         stream.reconfigure(line_buffering=True, write_through=False)
-    # Else peers get the hostname's address, often 127.0.0.1
+    # Else peers get the hostname's address: often 127.0.0.1
     if args.ifname is None and not socket.gethostbyname(args.master_addr).startswith("127."):
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
             probe.connect((args.master_addr, 1))  # UDP: sends nothing
             ours = probe.getsockname()[0]
         args.ifname = next(name for name, addrs in psutil.net_if_addrs().items()
                            if ours in [addr.address for addr in addrs])
-        print(f"Rank {rank}: interface {args.ifname} reaches {args.master_addr}")
+        print(f"Rank {rank}: interface {args.ifname}")
     if args.ifname:
         for name in "GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME":
             os.environ[name] = args.ifname
@@ -412,30 +411,35 @@ def parse_common(parser, argv, world_size):
     add("--world_size", "--world-size", type=int, default=world_size, help="All ranks.")
     add("--rank", type=int, help="Run only this rank.")
     add("--master_addr", default="localhost", help="Address of rank 0.")
-    add("--master_port", type=int, default=0, help="0: 29500 with --rank, else any free.")
+    add("--master_port", type=int, default=0, help="0: 29500 with --rank, else free.")
     add("--ifname", help="Network interface.")
     add("--timeout", type=float, default=60, help="Seconds to wait for a peer or RPC (5x to meet).")
     add("--debug", action="store_true", help="Tracebacks, C++ log.")
-    add("--seed", type=int, default=1, help="Random seed.")
-    names = "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"  # torchrun's
+    add("--seed", type=int, default=1, help="Seed.")
+    names = "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"
     parser.set_defaults(**{name.lower(): os.environ[name] for name in names if name in os.environ})
     args = parser.parse_args(argv)
     if args.rank is not None and not 0 <= args.rank < args.world_size:
         parser.error(f"--rank must be in [0, {args.world_size})")
-    args.master_port = args.master_port or (get_free_port() if args.rank is None else 29500)
     return args
 
 
 def main(argv=None):
     args = parse_args(argv)
     if args.rank is not None:
-        print(f"Rank {args.rank} waits {5 * args.timeout:g} s for the others at "
+        args.master_port = args.master_port or 29500
+        print(f"Rank {args.rank} waits {5 * args.timeout:g} s for all at "
               f"{args.master_addr}:{args.master_port}", file=sys.stderr)
         return run_rank(args.rank, args)
-    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # we say it
+    if not args.master_port:  # held: no other program gets it
+        held = socket.socket()
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        held.bind(("", 0))
+        args.master_port = held.getsockname()[1]
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     print(f"Starting {args.world_size} ranks on port {args.master_port}", flush=True)
     try:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited while ranks start
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited
         ranks = mp.start_processes(run_rank, (args,), args.world_size, join=False, daemon=True)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         while not ranks.join():
@@ -443,7 +447,7 @@ def main(argv=None):
     except mp.ProcessExitedException as exc:
         sys.exit(f"{exc}: stopped every rank.")
     except KeyboardInterrupt:
-        sys.exit("Interrupted: stopped every rank.")  # daemonic ranks end too
+        sys.exit("Interrupted: stopped every rank.")
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ RNN_EPOCHS = 10  # the default: the smoke run is the README's command as written
 DDP_EPOCHS = 4
 
 TIMING_FIGURES = {"seconds", "ms_per_batch", "us_per_step"}  # Summary figures that vary from run to run
-HANG = 300  # a test's own limit on a run: only keeps a hang from running forever
+HANG = 600  # a test's own limit on a run: only keeps a hang from running forever
 
 
 _reserved = []  # the sockets that hold free_port's ports for the whole session

@@ -57,6 +57,5 @@ def test_a_master_addr_of_this_host_picks_its_interface(shared_runs):
     ranks = shared_runs["rnn ranks"]
     assert_succeeded(*ranks)
     for rank, proc in enumerate(ranks):
-        assert re.search(rf"^Rank {rank}: interface {re.escape(ifname)} reaches {re.escape(addr)}$",
-                         proc.out, re.M), proc
+        assert re.search(rf"^Rank {rank}: interface {re.escape(ifname)}$", proc.out, re.M), proc
     assert summary(ranks[1].out)["epochs"] == str(RNN_EPOCHS), ranks[1]  # and the run trained
