@@ -1,21 +1,17 @@
-"""Parameter server training with PyTorch's distributed RPC framework.
+"""The tutorial "Implementing a Parameter Server Using Distributed RPC Framework"
+(https://pytorch.org/tutorials/intermediate/rpc_param_server_tutorial.html): rank 0 holds the
+model, every other rank trains it on MNIST over RPC.
 
-The tutorial "Implementing a Parameter Server Using Distributed RPC Framework"
-(https://pytorch.org/tutorials/intermediate/rpc_param_server_tutorial.html). Rank 0 is the
-parameter server: it holds the model (`Net`) and runs its forward passes. Every other rank is a
-trainer: it reads MNIST, sends each batch to the parameter server over RPC, and trains the remote
-weights with distributed autograd and a DistributedOptimizer.
-
-One command starts every rank:       python rpc_parameter_server.py --world_size=4
-One terminal per rank:               python rpc_parameter_server.py --world_size=2 --rank=0
-                                     python rpc_parameter_server.py --world_size=2 --rank=1
-torchrun:                            torchrun --nproc_per_node=4 rpc_parameter_server.py
+    python rpc_parameter_server.py --world_size=4             # every rank, here
+    python rpc_parameter_server.py --world_size=2 --rank=0    # or one terminal per rank
+    python rpc_parameter_server.py --world_size=2 --rank=1
+    torchrun --nproc_per_node=4 rpc_parameter_server.py
 """
 import argparse
 import contextlib
 import fcntl
-import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -23,9 +19,12 @@ import threading
 import time
 import traceback
 import warnings
+from multiprocessing import resource_tracker
 
-if __name__ == "__main__" and "--debug" not in sys.argv:
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # before torch loads: no C++ log lines
+if __name__ == "__main__":  # before torch starts threads, which inherit it: see main
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
+    if "--debug" not in sys.argv:
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # no C++ log lines
 
 import psutil
 import torch
@@ -53,7 +52,8 @@ class Net(nn.Module):
         if "cuda" in str(device) and num_gpus > 1:
             device = torch.device("cuda:1")
         print(f"Putting rest of layers on {str(device)}")
-        self.dropout1 = nn.Dropout(0.25).to(device)  # not Dropout2d, as in pytorch/examples
+        # nn.Dropout: the tutorial's Dropout2d warns on fc1's 2-D output.
+        self.dropout1 = nn.Dropout(0.25).to(device)
         self.dropout2 = nn.Dropout(0.5).to(device)
         self.fc1 = nn.Linear(9216, 128).to(device)
         self.fc2 = nn.Linear(128, 10).to(device)
@@ -97,16 +97,12 @@ class ParameterServer(nn.Module):
 
     def forward(self, inp, training=True):
         inp = inp.to(self.input_device)
+        # The tutorial's pass on the live weights fails its backward once another trainer has
+        # stepped (pytorch/examples#780): each pass runs on clones, swapped in one at a time.
         with self.forward_lock, torch.set_grad_enabled(training):
             self.model.train(training)
-            if trainers == 1:
-                out = self.model(inp)
-            else:
-                # Another trainer's step between this pass on the live weights (the tutorial) and
-                # its backward would fail it: clones keep what backward needs, and the lock runs
-                # passes one at a time, as functional_call swaps the clones in.
-                weights = {name: param.clone() for name, param in self.model.named_parameters()}
-                out = torch.func.functional_call(self.model, weights, (inp,))
+            weights = {name: param.clone() for name, param in self.model.named_parameters()}
+            out = torch.func.functional_call(self.model, weights, (inp,))
         return out.to("cpu")  # RPC carries CUDA tensors only with a device map
 
     # Use dist autograd to retrieve gradients accumulated for this model.
@@ -123,7 +119,6 @@ class ParameterServer(nn.Module):
 # The global parameter server instance, and a lock to ensure we only have one parameter server.
 param_server = None
 global_lock = threading.Lock()
-trainers = 1  # not in the tutorial: how many trainers share it (run_parameter_server sets it)
 
 
 def get_parameter_server(num_gpus=0):
@@ -142,28 +137,23 @@ def get_parameter_server(num_gpus=0):
 
 
 def run_parameter_server(rank, world_size, args):
-    global trainers
-    trainers = world_size - 1
-    # Forward (on an RPC thread) and backward (on autograd's) free each other's activations, and
-    # glibc then returns about 25 MB a batch to the OS, to fault it in again. Freeing one 30 MB
-    # block first raises glibc's thresholds above that; other allocators ignore it.
+    # Forward and backward free each other's tensors on two threads: glibc then gives 25 MB a
+    # batch back to the OS and faults it in again. Freeing 30 MB first raises its thresholds.
     torch.empty(30 * 2**20, dtype=torch.uint8)
+    # Built now, not at a trainer's call: a wrong --num_gpus stops rank 0 at once.
+    get_parameter_server(args.num_gpus)
     # The parameter server just acts as a host for the model and responds to requests from trainers.
     print("PS master initializing RPC")
-    # The tutorial sets MASTER_ADDR and MASTER_PORT; the options name rank 0 and a timeout.
-    # 4 RPC threads, not 16: passes run one at a time, and each thread's OpenMP team slows them.
+    # The options replace the tutorial's MASTER_ADDR and MASTER_PORT. 4 RPC threads, not 16:
+    # passes run one at a time, and each thread's OpenMP team slows them.
     with deadline(rank, args):
         rpc.init_rpc(worker_name(rank, world_size), rank=rank, world_size=world_size,
                      rpc_backend_options=backend_options(args, num_worker_threads=4))
     print("RPC initialized! Running parameter server...")
-    # The tutorial's "rpc.shutdown() will wait for all workers to complete by default" waits
-    # forever for a trainer that died: wait_for_peers first.
+    # Not in the tutorial, whose rpc.shutdown() alone waits forever for a dead trainer.
     wait_for_peers(rank, args)
     rpc.shutdown(timeout=args.timeout)
     print("RPC shutdown on parameter server.")
-    if args.save_model and param_server is not None:  # not in the tutorial: keep what was trained
-        torch.save(param_server.model.state_dict(), args.save_model)
-        print(f"Saved the trained model's state_dict to {args.save_model}")
 
 
 # --------- Trainers --------------------
@@ -184,7 +174,7 @@ class TrainerNet(nn.Module):
         return remote_method(ParameterServer.forward, self.param_server_rref, x, self.training)
 
 
-# epochs, lr and log_interval: the tutorial's fixed 1, 0.03 and 5, here as keyword arguments.
+# epochs, lr and log_interval: the tutorial's fixed 1, 0.03 and 5.
 def run_training_loop(rank, num_gpus, train_loader, test_loader, epochs=1, lr=0.03,
                       log_interval=5):
     # Runs the typical neural network forward + backward + optimizer step, but
@@ -201,9 +191,7 @@ def run_training_loop(rank, num_gpus, train_loader, test_loader, epochs=1, lr=0.
                 target = target.to(model_output.device)
                 loss = F.nll_loss(model_output, target)
                 if i % log_interval == 0:
-                    # Four places; with several epochs i restarts at 0, so the line names the epoch.
-                    epoch_text = f" epoch {epoch}" if epochs > 1 else ""
-                    print(f"Rank {rank} training batch {i} loss {loss.item():.4f}{epoch_text}")
+                    print(f"Rank {rank} training batch {i} loss {loss.item():.4f}")
                 dist_autograd.backward(cid, [loss])
                 # Ensure that dist autograd ran successfully and gradients were returned:
                 # once, not every batch (1.2M gradients each time).
@@ -217,7 +205,7 @@ def run_training_loop(rank, num_gpus, train_loader, test_loader, epochs=1, lr=0.
     accuracy = get_accuracy(test_loader, net)
     # Not in the tutorial: one key=value line for people and scripts alike.
     print(f"Summary: rank={rank} batches={batches} seconds={seconds:.2f} "
-          f"ms_per_batch={1000 * seconds / max(batches, 1):.1f} accuracy={accuracy:.4f}")
+          f"ms_per_batch={1000 * seconds / batches:.1f} accuracy={accuracy:.4f}")
 
 
 def get_accuracy(test_loader, model):
@@ -233,7 +221,7 @@ def get_accuracy(test_loader, model):
             correct = pred.eq(target.view_as(pred)).sum().item()
             correct_sum += correct
     acc = correct_sum / len(test_loader.dataset)
-    print(f"Accuracy {acc:.4f}")  # four places, where the tutorial prints the full float
+    print(f"Accuracy {acc:.4f}")  # the tutorial prints the full float
     return acc
 
 
@@ -250,42 +238,29 @@ def run_worker(rank, world_size, args):
     print(f"Worker {rank} done initializing RPC")
     # After init_rpc, not before as in the tutorial: a download holds up no peer's --timeout.
     train_loader, test_loader = load_mnist(args, rank)
-    run_training_loop(rank, args.num_gpus, train_loader, test_loader, epochs=args.epochs,
-                      lr=args.lr, log_interval=args.log_interval)
+    run_training_loop(rank, args.num_gpus, train_loader, test_loader, epochs=args.epochs)
     wait_for_peers(rank, args)  # see run_parameter_server
     rpc.shutdown(timeout=args.timeout)
 
 
 # --------- MNIST data --------------------
 def load_mnist(args, rank):
-    """The tutorial's train and test loaders; --train_samples/--test_samples keep the first N."""
+    """The tutorial's train and test loaders."""
     from torchvision import datasets, transforms  # slow to import, and only trainers need it
 
-    raw = os.path.join(os.path.abspath(args.data_dir), "MNIST", "raw")
-    normalize = transforms.Normalize((0.1307,), (0.3081,))
-    transform = transforms.Compose([transforms.ToTensor(), normalize])
-    try:
-        with contextlib.ExitStack() as stack:
-            if args.download:  # trainers started together would download into the same files
-                os.makedirs(raw, exist_ok=True)
-                stack.callback(os.close, lock := os.open(raw, os.O_RDONLY))
-                fcntl.flock(lock, fcntl.LOCK_EX)
-            train_set = datasets.MNIST(args.data_dir, train=True, download=args.download,
-                                       transform=transform)
-            test_set = datasets.MNIST(args.data_dir, train=False, transform=transform)
-    except Exception as exc:  # torchvision's errors do not say where it looked
-        cause = (str(exc).strip() or type(exc).__name__).splitlines()[0]
-        raise RuntimeError(f"MNIST could not be loaded from {raw} ({cause}): put its four files "
-                           "there, or point --data_dir at the folder that holds MNIST/.") from exc
-    train_count = min(args.train_samples or len(train_set), len(train_set))
-    test_count = min(args.test_samples or len(test_set), len(test_set))
-    train_set = torch.utils.data.Subset(train_set, range(train_count))
-    test_set = torch.utils.data.Subset(test_set, range(test_count))
-    # Each trainer shuffles its own way, and the same way for the same --seed.
+    transform = transforms.Compose(
+        [transforms.ToTensor(), transforms.Normalize((0.1307,), (0.3081,))])
+    os.makedirs(args.data_dir, exist_ok=True)
+    # One trainer at a time: trainers started together would download into the same files.
+    with open(os.path.join(args.data_dir, ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        train_set = datasets.MNIST(args.data_dir, train=True, download=True, transform=transform)
+        test_set = datasets.MNIST(args.data_dir, train=False, transform=transform)
+    # Each trainer shuffles its own way, the same way for the same --seed.
     generator = torch.Generator().manual_seed(args.seed + rank)
-    train_loader = torch.utils.data.DataLoader(train_set, batch_size=args.batch_size,
-                                               shuffle=True, generator=generator)
-    test_loader = torch.utils.data.DataLoader(test_set, batch_size=args.batch_size)
+    train_loader = torch.utils.data.DataLoader(train_set, batch_size=32, shuffle=True,
+                                               generator=generator)
+    test_loader = torch.utils.data.DataLoader(test_set, batch_size=32, shuffle=True)
     return train_loader, test_loader
 
 
@@ -296,37 +271,22 @@ def worker_name(rank, world_size):
 def parse_args(argv=None):  # the tutorial parses at import: a function lets others import classes
     parser = argparse.ArgumentParser(
         description="Parameter-Server RPC based training",
-        epilog="Rank 0 is the parameter server, every other rank a trainer: --world_size must be "
-        "at least 2 (the default 4: three trainers).",
+        epilog="Rank 0 is the parameter server, every other rank a trainer.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
     add = parser.add_argument
     add("--num_gpus", type=int, default=0, help="GPUs to use for training, between 0 and 2.")
-    # Not in the tutorial, which trains one epoch on all of MNIST in ../data:
     add("--epochs", type=int, default=1, help="Epochs each trainer runs.")
-    add("--lr", type=float, default=0.03, help="Learning rate of SGD.")
-    add("--log_interval", type=int, default=5, help="Batches between loss lines.")
-    add("--batch_size", type=int, default=32, help="Batch size.")
-    add("--data_dir", default="./data", help="Folder that holds (or receives) MNIST/raw/.")
-    add("--download", action=argparse.BooleanOptionalAction, default=True,
-        help="Get MNIST if missing.")
-    add("--train_samples", type=int, default=0, help="Use the first N training images (0: all).")
-    add("--test_samples", type=int, default=0, help="Use the first N test images (0: all).")
-    add("--save_model", metavar="PATH", help="Where the parameter server saves the state_dict.")
+    add("--data_dir", default="./data", help="Folder that holds (or receives) MNIST/.")
     args = parse_common(parser, argv, world_size=4)
     if args.world_size < 2:
         parser.error(f"--world_size must be at least 2 (one parameter server and a trainer), "
                      f"got {args.world_size}")
     if not 0 <= args.num_gpus <= 2:  # the tutorial's assert lets 3 through
         parser.error(f"--num_gpus must be between 0 and 2, got {args.num_gpus}")
-    for flag in ("epochs", "lr", "log_interval", "batch_size", "train_samples", "test_samples"):
-        samples, value = flag.endswith("samples"), getattr(args, flag)
-        if value < 0 or value == 0 and not samples:
-            parser.error(f"--{flag} must be {'0 (all) or ' * samples}positive, got {value}")
     return args
 
 
-# --------- Launching ranks, bounding waits, reporting failures --------------------
-# Not in the tutorials; the same in all four.
+# --------- Launching ranks, waits, failures: not in the tutorials, the same in all four ------
 def backend_options(args, **kwargs):
     # TCP only: shared memory busy-polls (private: pytorch/pytorch#33982).
     return rpc.TensorPipeRpcBackendOptions(
@@ -337,20 +297,14 @@ def backend_options(args, **kwargs):
 @contextlib.contextmanager
 def deadline(rank, args):
     # torch waits 30 min for a missing rank, forever on a silent port
-    where = f"not all {args.world_size} ranks met at port {args.master_port} (check --world_size)"
-    timer = threading.Timer(5 * args.timeout, fail, [rank, args, where])
+    where = f"not all {args.world_size} ranks met at port {args.master_port}"
+    timer = threading.Timer(5 * args.timeout, fail, (rank, args, where))
     timer.start()
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "You are using a Backend")
-            yield
-        for peer in range(args.world_size):
-            rpc.get_worker_info(worker_name(peer, args.world_size))
-    except Exception as exc:
-        fail(rank, args, f"port {args.master_port} is in use" if "EADDRINUSE" in str(exc)
-             else f"{where}: {describe(exc)}")
-    finally:
-        timer.cancel()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "You are using a Backend")
+        yield
+    tell_peers(rank, args)  # now: a failed first connection aborts TensorPipe (moolib#34)
+    timer.cancel()
 
 
 done_ranks = set()
@@ -361,23 +315,31 @@ def rank_done(rank, done):
         done_ranks.add(rank)
 
 
-def wait_for_peers(rank, args, futures=()):
+def tell_peers(rank, args, done=False):
+    for peer in range(args.world_size):
+        name = worker_name(peer, args.world_size)
+        to = rpc.get_worker_info(name)  # raises before init_rpc, or for another script
+        try:
+            rpc.rpc_sync(to, rank_done, (rank, done))
+        except RuntimeError:
+            fail(rank, args, f"lost contact with rank {peer} ({name})")
+
+
+def wait_for_peers(rank, args):
     # rpc.shutdown() waits forever for a dead peer
     while len(done_ranks) < args.world_size:
         time.sleep(1)
-        for peer in range(args.world_size):
-            try:
-                rpc.rpc_sync(peer, rank_done, args=(rank, all(f.done() for f in futures)))
-            except RuntimeError:
-                fail(rank, args, f"lost contact with rank {peer}")
-    return [future.wait() for future in futures]
+        tell_peers(rank, args, True)
 
 
-def describe(exc):
-    lines = str(exc).strip().splitlines() or [""]
-    if "On WorkerInfo" in lines[0]:  # from an RPC
-        return " ".join(lines[:2])
-    return f"{type(exc).__name__}: {lines[0]}"
+def describe(exc, args):
+    head, _, tail = str(exc).partition("\nTraceback")  # an RPC's: torch's reports, nested
+    if tail:
+        where = re.findall(r"id=(\d+), name=(.*?)\)", head)[-1]
+        return "rank {} ({}): {}".format(*where, re.search(r"\n(\S.*)", tail)[1])
+    if isinstance(exc, socket.gaierror):
+        return f"{args.master_addr}: {exc.strerror}"
+    return f"{type(exc).__name__}: {head}".splitlines()[0]
 
 
 def fail(rank, args, why):
@@ -387,67 +349,65 @@ def fail(rank, args, why):
 
 def run_rank(rank, args):
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C ends a rank even in torch's waits
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
     for stream in sys.stdout, sys.stderr:  # whole lines even unbuffered
         stream.reconfigure(line_buffering=True, write_through=False)
-    # Else peers get the hostname's address: often 127.0.0.1
-    if args.ifname is None and not socket.gethostbyname(args.master_addr).startswith("127."):
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((args.master_addr, 1))  # UDP: sends nothing
-            ours = probe.getsockname()[0]
-        args.ifname = next(name for name, addrs in psutil.net_if_addrs().items()
-                           if ours in [addr.address for addr in addrs])
-        print(f"Rank {rank}: interface {args.ifname}")
-    if args.ifname:
-        for name in "GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME":
-            os.environ[name] = args.ifname
     try:
+        if not args.ifname:  # else torch binds the hostname's address
+            with socket.socket(type=socket.SOCK_DGRAM) as probe:
+                probe.connect((args.master_addr, 1))  # UDP: sends nothing
+                ours = probe.getsockname()[0]
+            addrs = psutil.net_if_addrs()
+            args.ifname = next(name for name in addrs if ours in [a.address for a in addrs[name]])
+        os.environ["GLOO_SOCKET_IFNAME"] = os.environ["TP_SOCKET_IFNAME"] = args.ifname
         run_worker(rank, args.world_size, args)
     except Exception as exc:
-        fail(rank, args, traceback.format_exc() if args.debug else describe(exc))
+        if "timeout" not in str(exc):  # a peer ended? name it
+            with contextlib.suppress(RuntimeError):
+                tell_peers(rank, args)
+        fail(rank, args, traceback.format_exc() if args.debug else describe(exc, args))
 
 
 def parse_common(parser, argv, world_size):
-    add = parser.add_argument
-    add("--world_size", "--world-size", type=int, default=world_size, help="All ranks.")
-    add("--rank", type=int, help="Run only this rank.")
-    add("--master_addr", default="localhost", help="Address of rank 0.")
-    add("--master_port", type=int, default=0, help="0: 29500 with --rank, else free.")
-    add("--ifname", help="Network interface.")
-    add("--timeout", type=float, default=60, help="Seconds to wait for a peer or RPC (5x to meet).")
+    add, env = parser.add_argument, os.environ.get  # torchrun's
+    add("--world_size", "--world-size", type=int, default=env("WORLD_SIZE", world_size))
+    add("--rank", type=int, default=env("RANK"), help="Run only this rank.")
+    add("--master_addr", default=env("MASTER_ADDR", "localhost"), help="Address of rank 0.")
+    add("--master_port", type=int, default=env("MASTER_PORT", 0),
+        help="0: 29500 with --rank, else free.")
+    add("--ifname")
+    add("--timeout", type=float, default=60, help="Seconds to wait for a peer, 5x to meet.")
     add("--debug", action="store_true", help="Tracebacks, C++ log.")
-    add("--seed", type=int, default=1, help="Seed.")
-    names = "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"
-    parser.set_defaults(**{name.lower(): os.environ[name] for name in names if name in os.environ})
+    add("--seed", type=int, default=1)
     args = parser.parse_args(argv)
     if args.rank is not None and not 0 <= args.rank < args.world_size:
         parser.error(f"--rank must be in [0, {args.world_size})")
     return args
 
 
-def main(argv=None):
-    args = parse_args(argv)
+def main():
+    args = parse_args()
     if args.rank is not None:
         args.master_port = args.master_port or 29500
-        print(f"Rank {args.rank} waits {5 * args.timeout:g} s for all at "
-              f"{args.master_addr}:{args.master_port}", file=sys.stderr)
+        print(f"Rank {args.rank} waits {5 * args.timeout:g} s for the others", file=sys.stderr)
         return run_rank(args.rank, args)
-    if not args.master_port:  # held: no other program gets it
+    if not args.master_port:  # held: no other program takes it
         held = socket.socket()
         held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         held.bind(("", 0))
         args.master_port = held.getsockname()[1]
-    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     print(f"Starting {args.world_size} ranks on port {args.master_port}", flush=True)
     try:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited
-        ranks = mp.start_processes(run_rank, (args,), args.world_size, join=False, daemon=True)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        while not ranks.join():
+        resource_tracker.ensure_running()  # it unblocks Ctrl-C (CPython bpo-33613)
+        signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])  # the ranks inherit it
+        ranks = mp.start_processes(run_rank, (args,), args.world_size, join=False)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])  # raises one that came
+        while not ranks.join(grace_period=2):
             pass
-    except mp.ProcessExitedException as exc:
-        sys.exit(f"{exc}: stopped every rank.")
-    except KeyboardInterrupt:
-        sys.exit("Interrupted: stopped every rank.")
+    except (mp.ProcessExitedException, KeyboardInterrupt) as exc:
+        for process in mp.active_children():
+            process.kill()
+        sys.exit(f"{str(exc) or 'Interrupted'}: stopped every rank.")
 
 
 if __name__ == "__main__":

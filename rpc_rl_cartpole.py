@@ -1,20 +1,16 @@
-"""Distributed reinforcement learning with PyTorch's RPC framework and RRef.
+"""The tutorial "Getting Started with Distributed RPC Framework", part 1
+(https://pytorch.org/tutorials/intermediate/rpc_tutorial.html): the agent (rank 0) owns the
+policy, and every other rank plays CartPole-v1, asking the agent for each action over RPC.
 
-The tutorial "Getting Started with Distributed RPC Framework", part 1
-(https://pytorch.org/tutorials/intermediate/rpc_tutorial.html). The agent (rank 0) owns the
-policy; every other rank is an observer with a CartPole-v1 environment. The agent starts an
-episode on every observer at once, each observer asks the agent for every action through the
-agent's RRef, and after the episode the agent updates the policy with REINFORCE.
-
-One command starts every rank:       python rpc_rl_cartpole.py --world_size=3
-One terminal per rank:               python rpc_rl_cartpole.py --world_size=2 --rank=0
-                                     python rpc_rl_cartpole.py --world_size=2 --rank=1
-torchrun:                            torchrun --nproc_per_node=2 rpc_rl_cartpole.py
+    python rpc_rl_cartpole.py --world_size=3             # every rank, here
+    python rpc_rl_cartpole.py --world_size=2 --rank=0    # or one terminal per rank
+    python rpc_rl_cartpole.py --world_size=2 --rank=1
+    torchrun --nproc_per_node=2 rpc_rl_cartpole.py
 """
 import argparse
 import contextlib
-import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -23,9 +19,12 @@ import time
 import traceback
 import warnings
 from itertools import count
+from multiprocessing import resource_tracker
 
-if __name__ == "__main__" and "--debug" not in sys.argv:
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # before torch loads: no C++ log lines
+if __name__ == "__main__":  # before torch starts threads, which inherit it: see main
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
+    if "--debug" not in sys.argv:
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # no C++ log lines
 
 # The tutorial's gym is no longer maintained; gymnasium's reset and step differ (see Observer).
 import gymnasium as gym
@@ -95,7 +94,7 @@ class Agent:
         self.policy = Policy()
         self.optimizer = optim.Adam(self.policy.parameters(), lr=lr)
         self.gamma = gamma
-        self.eps = torch.finfo(torch.float32).eps  # the tutorial's numpy eps: the same number
+        self.eps = torch.finfo(torch.float32).eps  # the tutorial's numpy gives the same
         self.running_reward = 0
         self.reward_threshold = gym.make("CartPole-v1").spec.reward_threshold
         self.total_steps = 0  # for the Summary line
@@ -121,7 +120,8 @@ class Agent:
     def run_episode(self):
         futs = []
         for ob_rref in self.ob_rrefs:
-            # Kick off episodes on all observers asynchronously (the tutorial wraps a blocking call)
+            # Kick off episodes on all observers asynchronously, in one call each: the tutorial's
+            # rpc_async(..., ob_rref.rpc_sync().run_episode) has each observer call itself.
             futs.append(ob_rref.rpc_async().run_episode(self.agent_rref))
 
         # Wait for all episodes to complete
@@ -171,20 +171,16 @@ class Agent:
 def run_worker(rank, world_size, args):
     torch.manual_seed(args.seed + rank)  # the tutorial seeds only the environment: torch too
     torch.set_num_threads(1)  # the policy is tiny: a second thread only spins against other ranks
-    # The tutorial sets MASTER_ADDR and MASTER_PORT; the options name rank 0 and a timeout. One
-    # RPC thread on the agent: autograd sums gradients in an order set by the threads that built
-    # the graph, so more threads would break same-seed runs.
+    # The options replace the tutorial's MASTER_ADDR and MASTER_PORT. One RPC thread on the agent:
+    # autograd sums gradients in the order of the threads that built the graph (same seed).
     options = backend_options(args, num_worker_threads=1 if rank == 0 else 16)
     with deadline(rank, args):  # one init_rpc for both roles, where the tutorial has one in each
         rpc.init_rpc(worker_name(rank, world_size), rank=rank, world_size=world_size,
                      rpc_backend_options=options)
     if rank == 0:
         # Rank 0 is the agent
-        agent = Agent(world_size, lr=args.lr, gamma=args.gamma, seed=args.seed)
-        # Not in the tutorial, which has no bound: --max_episodes
-        limit = f" (or for at most {args.max_episodes} episodes)" if args.max_episodes else ""
-        threshold = agent.reward_threshold
-        print(f"This will run until reward threshold of {threshold} is reached{limit}.")
+        agent = Agent(world_size, gamma=args.gamma, seed=args.seed)
+        print(f"This will run until reward threshold of {agent.reward_threshold} is reached.")
         start = time.perf_counter()
         for i_episode in count(1):
             agent.run_episode()
@@ -198,14 +194,14 @@ def run_worker(rank, world_size, args):
             if solved:
                 print(f"Solved! Running reward is now {agent.running_reward}!")
                 break
-            if i_episode == args.max_episodes:
+            if i_episode == args.max_episodes:  # not in the tutorial, which has no bound
                 break
         seconds = time.perf_counter() - start  # not in the tutorial: a line for people and scripts
         print(f"Summary: episodes={i_episode} steps={agent.total_steps} seconds={seconds:.2f} "
               f"us_per_step={seconds / agent.total_steps * 1e6:.0f} solved={str(solved).lower()}")
-    # else: other ranks are observers; they wait passively for the agent's calls
+    # else: other ranks are observers; they wait passively for agent commands
 
-    # The tutorial's rpc.shutdown() alone waits forever for a peer that died: wait_for_peers first.
+    # Not in the tutorial, whose rpc.shutdown() alone waits forever for a dead peer.
     wait_for_peers(rank, args)
     rpc.shutdown(timeout=args.timeout)
 
@@ -217,26 +213,21 @@ def worker_name(rank, world_size):
 def parse_args(argv=None):  # the tutorial parses at import: a function lets others import classes
     parser = argparse.ArgumentParser(
         description="RPC Reinforcement Learning Example",
-        epilog="Rank 0 is the agent; every other rank is an observer with its own CartPole. "
-        "--world_size must be at least 2 (the default, one observer).",
+        epilog="Rank 0 is the agent, every other rank an observer with a CartPole of its own.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
     add = parser.add_argument
     add("--log_interval", type=int, default=10, metavar="N", help="Episodes between status lines.")
     add("--gamma", type=float, default=0.99, metavar="G", help="How much to value future rewards.")
-    add("--lr", type=float, default=1e-2, help="Learning rate of Adam.")
     add("--max_episodes", type=int, default=0, metavar="N",
         help="Stop after N episodes even if not solved (0: run until solved, as the tutorial).")
     args = parse_common(parser, argv, world_size=2)
     if args.world_size < 2:
         parser.error(f"--world_size must be at least 2 (one agent and at least one observer), "
                      f"got {args.world_size}")
-    if args.log_interval <= 0:
-        parser.error(f"--log_interval must be positive, got {args.log_interval}")
     return args
 
 
-# --------- Launching ranks, bounding waits, reporting failures --------------------
-# Not in the tutorials; the same in all four.
+# --------- Launching ranks, waits, failures: not in the tutorials, the same in all four ------
 def backend_options(args, **kwargs):
     # TCP only: shared memory busy-polls (private: pytorch/pytorch#33982).
     return rpc.TensorPipeRpcBackendOptions(
@@ -247,20 +238,14 @@ def backend_options(args, **kwargs):
 @contextlib.contextmanager
 def deadline(rank, args):
     # torch waits 30 min for a missing rank, forever on a silent port
-    where = f"not all {args.world_size} ranks met at port {args.master_port} (check --world_size)"
-    timer = threading.Timer(5 * args.timeout, fail, [rank, args, where])
+    where = f"not all {args.world_size} ranks met at port {args.master_port}"
+    timer = threading.Timer(5 * args.timeout, fail, (rank, args, where))
     timer.start()
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "You are using a Backend")
-            yield
-        for peer in range(args.world_size):
-            rpc.get_worker_info(worker_name(peer, args.world_size))
-    except Exception as exc:
-        fail(rank, args, f"port {args.master_port} is in use" if "EADDRINUSE" in str(exc)
-             else f"{where}: {describe(exc)}")
-    finally:
-        timer.cancel()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "You are using a Backend")
+        yield
+    tell_peers(rank, args)  # now: a failed first connection aborts TensorPipe (moolib#34)
+    timer.cancel()
 
 
 done_ranks = set()
@@ -271,23 +256,31 @@ def rank_done(rank, done):
         done_ranks.add(rank)
 
 
-def wait_for_peers(rank, args, futures=()):
+def tell_peers(rank, args, done=False):
+    for peer in range(args.world_size):
+        name = worker_name(peer, args.world_size)
+        to = rpc.get_worker_info(name)  # raises before init_rpc, or for another script
+        try:
+            rpc.rpc_sync(to, rank_done, (rank, done))
+        except RuntimeError:
+            fail(rank, args, f"lost contact with rank {peer} ({name})")
+
+
+def wait_for_peers(rank, args):
     # rpc.shutdown() waits forever for a dead peer
     while len(done_ranks) < args.world_size:
         time.sleep(1)
-        for peer in range(args.world_size):
-            try:
-                rpc.rpc_sync(peer, rank_done, args=(rank, all(f.done() for f in futures)))
-            except RuntimeError:
-                fail(rank, args, f"lost contact with rank {peer}")
-    return [future.wait() for future in futures]
+        tell_peers(rank, args, True)
 
 
-def describe(exc):
-    lines = str(exc).strip().splitlines() or [""]
-    if "On WorkerInfo" in lines[0]:  # from an RPC
-        return " ".join(lines[:2])
-    return f"{type(exc).__name__}: {lines[0]}"
+def describe(exc, args):
+    head, _, tail = str(exc).partition("\nTraceback")  # an RPC's: torch's reports, nested
+    if tail:
+        where = re.findall(r"id=(\d+), name=(.*?)\)", head)[-1]
+        return "rank {} ({}): {}".format(*where, re.search(r"\n(\S.*)", tail)[1])
+    if isinstance(exc, socket.gaierror):
+        return f"{args.master_addr}: {exc.strerror}"
+    return f"{type(exc).__name__}: {head}".splitlines()[0]
 
 
 def fail(rank, args, why):
@@ -297,67 +290,65 @@ def fail(rank, args, why):
 
 def run_rank(rank, args):
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C ends a rank even in torch's waits
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
     for stream in sys.stdout, sys.stderr:  # whole lines even unbuffered
         stream.reconfigure(line_buffering=True, write_through=False)
-    # Else peers get the hostname's address: often 127.0.0.1
-    if args.ifname is None and not socket.gethostbyname(args.master_addr).startswith("127."):
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((args.master_addr, 1))  # UDP: sends nothing
-            ours = probe.getsockname()[0]
-        args.ifname = next(name for name, addrs in psutil.net_if_addrs().items()
-                           if ours in [addr.address for addr in addrs])
-        print(f"Rank {rank}: interface {args.ifname}")
-    if args.ifname:
-        for name in "GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME":
-            os.environ[name] = args.ifname
     try:
+        if not args.ifname:  # else torch binds the hostname's address
+            with socket.socket(type=socket.SOCK_DGRAM) as probe:
+                probe.connect((args.master_addr, 1))  # UDP: sends nothing
+                ours = probe.getsockname()[0]
+            addrs = psutil.net_if_addrs()
+            args.ifname = next(name for name in addrs if ours in [a.address for a in addrs[name]])
+        os.environ["GLOO_SOCKET_IFNAME"] = os.environ["TP_SOCKET_IFNAME"] = args.ifname
         run_worker(rank, args.world_size, args)
     except Exception as exc:
-        fail(rank, args, traceback.format_exc() if args.debug else describe(exc))
+        if "timeout" not in str(exc):  # a peer ended? name it
+            with contextlib.suppress(RuntimeError):
+                tell_peers(rank, args)
+        fail(rank, args, traceback.format_exc() if args.debug else describe(exc, args))
 
 
 def parse_common(parser, argv, world_size):
-    add = parser.add_argument
-    add("--world_size", "--world-size", type=int, default=world_size, help="All ranks.")
-    add("--rank", type=int, help="Run only this rank.")
-    add("--master_addr", default="localhost", help="Address of rank 0.")
-    add("--master_port", type=int, default=0, help="0: 29500 with --rank, else free.")
-    add("--ifname", help="Network interface.")
-    add("--timeout", type=float, default=60, help="Seconds to wait for a peer or RPC (5x to meet).")
+    add, env = parser.add_argument, os.environ.get  # torchrun's
+    add("--world_size", "--world-size", type=int, default=env("WORLD_SIZE", world_size))
+    add("--rank", type=int, default=env("RANK"), help="Run only this rank.")
+    add("--master_addr", default=env("MASTER_ADDR", "localhost"), help="Address of rank 0.")
+    add("--master_port", type=int, default=env("MASTER_PORT", 0),
+        help="0: 29500 with --rank, else free.")
+    add("--ifname")
+    add("--timeout", type=float, default=60, help="Seconds to wait for a peer, 5x to meet.")
     add("--debug", action="store_true", help="Tracebacks, C++ log.")
-    add("--seed", type=int, default=1, help="Seed.")
-    names = "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"
-    parser.set_defaults(**{name.lower(): os.environ[name] for name in names if name in os.environ})
+    add("--seed", type=int, default=1)
     args = parser.parse_args(argv)
     if args.rank is not None and not 0 <= args.rank < args.world_size:
         parser.error(f"--rank must be in [0, {args.world_size})")
     return args
 
 
-def main(argv=None):
-    args = parse_args(argv)
+def main():
+    args = parse_args()
     if args.rank is not None:
         args.master_port = args.master_port or 29500
-        print(f"Rank {args.rank} waits {5 * args.timeout:g} s for all at "
-              f"{args.master_addr}:{args.master_port}", file=sys.stderr)
+        print(f"Rank {args.rank} waits {5 * args.timeout:g} s for the others", file=sys.stderr)
         return run_rank(args.rank, args)
-    if not args.master_port:  # held: no other program gets it
+    if not args.master_port:  # held: no other program takes it
         held = socket.socket()
         held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         held.bind(("", 0))
         args.master_port = held.getsockname()[1]
-    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     print(f"Starting {args.world_size} ranks on port {args.master_port}", flush=True)
     try:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited
-        ranks = mp.start_processes(run_rank, (args,), args.world_size, join=False, daemon=True)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        while not ranks.join():
+        resource_tracker.ensure_running()  # it unblocks Ctrl-C (CPython bpo-33613)
+        signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])  # the ranks inherit it
+        ranks = mp.start_processes(run_rank, (args,), args.world_size, join=False)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])  # raises one that came
+        while not ranks.join(grace_period=2):
             pass
-    except mp.ProcessExitedException as exc:
-        sys.exit(f"{exc}: stopped every rank.")
-    except KeyboardInterrupt:
-        sys.exit("Interrupted: stopped every rank.")
+    except (mp.ProcessExitedException, KeyboardInterrupt) as exc:
+        for process in mp.active_children():
+            process.kill()
+        sys.exit(f"{str(exc) or 'Interrupted'}: stopped every rank.")
 
 
 if __name__ == "__main__":
