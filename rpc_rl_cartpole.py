@@ -124,9 +124,9 @@ class Agent:
             # rpc_async(..., ob_rref.rpc_sync().run_episode) has each observer call itself.
             futs.append(ob_rref.rpc_async().run_episode(self.agent_rref))
 
-        # Wait for all episodes to complete
-        for fut in futs:
-            fut.wait()
+        # Wait for all episodes to complete, or for the first that fails (the tutorial's fut.wait()
+        # for each in turn would wait on one observer while another failed)
+        torch.futures.wait_all(futs)
 
     def finish_episode(self):
         # Combine data from all observers
@@ -227,7 +227,7 @@ def parse_args(argv=None):  # the tutorial parses at import: a function lets oth
     return args
 
 
-# --------- Launching ranks, waits, failures: not in the tutorials, the same in all four ------
+# --------- Launching ranks: not in the tutorials, the same in all four --------------------
 def backend_options(args, **kwargs):
     # TCP only: shared memory busy-polls (private: pytorch/pytorch#33982).
     return rpc.TensorPipeRpcBackendOptions(
@@ -237,14 +237,14 @@ def backend_options(args, **kwargs):
 
 @contextlib.contextmanager
 def deadline(rank, args):
-    # torch waits 30 min for a missing rank, forever on a silent port
-    where = f"not all {args.world_size} ranks met at port {args.master_port}"
-    timer = threading.Timer(5 * args.timeout, fail, (rank, args, where))
+    # torch waits 30 min for a lost rank, forever on a silent port
+    timer = threading.Timer(5 * args.timeout, fail, (
+        rank, args, f"not all {args.world_size} ranks met at port {args.master_port}"))
     timer.start()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "You are using a Backend")
         yield
-    tell_peers(rank, args)  # now: a failed first connection aborts TensorPipe (moolib#34)
+    tell_peers(rank, args)  # a failed first connection aborts TensorPipe (moolib#34)
     timer.cancel()
 
 
@@ -259,7 +259,7 @@ def rank_done(rank, done):
 def tell_peers(rank, args, done=False):
     for peer in range(args.world_size):
         name = worker_name(peer, args.world_size)
-        to = rpc.get_worker_info(name)  # raises before init_rpc, or for another script
+        to = rpc.get_worker_info(name)  # raises before init_rpc
         try:
             rpc.rpc_sync(to, rank_done, (rank, done))
         except RuntimeError:
@@ -274,7 +274,7 @@ def wait_for_peers(rank, args):
 
 
 def describe(exc, args):
-    head, _, tail = str(exc).partition("\nTraceback")  # an RPC's: torch's reports, nested
+    head, _, tail = str(exc).partition("\nTraceback")  # torch's report of an RPC's
     if tail:
         where = re.findall(r"id=(\d+), name=(.*?)\)", head)[-1]
         return "rank {} ({}): {}".format(*where, re.search(r"\n(\S.*)", tail)[1])
@@ -289,8 +289,10 @@ def fail(rank, args, why):
 
 
 def run_rank(rank, args):
-    signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C ends a rank even in torch's waits
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C ends it even in torch's waits
     signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
+    if mp.parent_process() and not mp.parent_process().is_alive():
+        os._exit(1)  # its launcher died before torch watched
     for stream in sys.stdout, sys.stderr:  # whole lines even unbuffered
         stream.reconfigure(line_buffering=True, write_through=False)
     try:
@@ -311,11 +313,11 @@ def run_rank(rank, args):
 
 def parse_common(parser, argv, world_size):
     add, env = parser.add_argument, os.environ.get  # torchrun's
-    add("--world_size", "--world-size", type=int, default=env("WORLD_SIZE", world_size))
+    add("--world_size", type=int, default=env("WORLD_SIZE", world_size))
     add("--rank", type=int, default=env("RANK"), help="Run only this rank.")
     add("--master_addr", default=env("MASTER_ADDR", "localhost"), help="Address of rank 0.")
-    add("--master_port", type=int, default=env("MASTER_PORT", 0),
-        help="0: 29500 with --rank, else free.")
+    add("--master_port", type=int, default=env("MASTER_PORT", 29500),
+        help="Port of rank 0 (one command: a free one).")
     add("--ifname")
     add("--timeout", type=float, default=60, help="Seconds to wait for a peer, 5x to meet.")
     add("--debug", action="store_true", help="Tracebacks, C++ log.")
@@ -329,17 +331,16 @@ def parse_common(parser, argv, world_size):
 def main():
     args = parse_args()
     if args.rank is not None:
-        args.master_port = args.master_port or 29500
-        print(f"Rank {args.rank} waits {5 * args.timeout:g} s for the others", file=sys.stderr)
+        print(f"Rank {args.rank} waits {5 * args.timeout:g} s for all", file=sys.stderr)
         return run_rank(args.rank, args)
-    if not args.master_port:  # held: no other program takes it
+    if args.master_port == 29500:  # held: no other program takes it
         held = socket.socket()
         held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         held.bind(("", 0))
         args.master_port = held.getsockname()[1]
     print(f"Starting {args.world_size} ranks on port {args.master_port}", flush=True)
     try:
-        resource_tracker.ensure_running()  # it unblocks Ctrl-C (CPython bpo-33613)
+        resource_tracker.ensure_running()  # unblocks Ctrl-C (CPython bpo-33613)
         signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])  # the ranks inherit it
         ranks = mp.start_processes(run_rank, (args,), args.world_size, join=False)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])  # raises one that came
