@@ -1,10 +1,7 @@
 """Shared test helpers: free ports, scripts run as a user runs them (a fresh `python SCRIPT ...` each), the
-runs that several tests read, tiny MNIST, an RPC group of one for the classes' unit checks, and two hosts."""
+runs that several tests read, tiny MNIST, and hosts made of network namespaces."""
 import contextlib
-import fcntl
 import ipaddress
-import multiprocessing
-import multiprocessing.connection
 import os
 import random
 import re
@@ -16,13 +13,12 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
 import uuid
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
-import torch.distributed.rpc as rpc
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # so tests can import the scripts' classes
@@ -34,12 +30,13 @@ SCRIPTS = ["rpc_parameter_server", "rpc_rl_cartpole", "rpc_rnn_model_parallel", 
 SCRIPT_FILES = [f"{name}.py" for name in SCRIPTS]
 
 # Tiny MNIST and the shared runs' settings: tests derive what they expect from these.
-MNIST_TRAIN, MNIST_TEST = 64, 32  # images in the tiny MNIST
-MNIST_BATCH_SIZE, MNIST_LOG_INTERVAL = 8, 2  # --batch_size, --log_interval of every parameter server run
-PS_EPOCHS = 3
+MNIST_TRAIN, MNIST_TEST = 320, 64  # images in the tiny MNIST: 10 and 2 batches of the script's 32
+PS_EPOCHS = 2
 RL_EPISODES = 40  # the policy improves by 1.5x in 40 episodes on torch 2.6.0 (3.8x) and 2.14.1 (2.2x)
 RNN_EPOCHS = 10  # the default: the smoke run is the README's command as written
 DDP_EPOCHS = 4
+SLOW = 10  # seconds that the slow agent's fifth select_action takes; its observer's --timeout is half that
+VANISH_TIMEOUT = 10  # --timeout of the runs whose machine vanishes
 
 TIMING_FIGURES = {"seconds", "ms_per_batch", "us_per_step"}  # Summary figures that vary from run to run
 HANG = 600  # a test's own limit on a run: only keeps a hang from running forever
@@ -69,15 +66,11 @@ def free_port():
 
 
 def own_address():
-    """(interface, IPv4 address) of this host's first non-loopback interface, or None if it has none."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        for _, name in socket.if_nameindex():
-            try:  # SIOCGIFADDR: the interface's own address (OSError: it has none)
-                addr = socket.inet_ntoa(fcntl.ioctl(sock, 0x8915, struct.pack("256s", name.encode()))[20:24])
-            except OSError:
-                continue
-            if not ipaddress.ip_address(addr).is_loopback:
-                return name, addr
+    """(interface, IPv4 address) of this host's first interface with a non-loopback address, or None."""
+    for name, addrs in psutil.net_if_addrs().items():
+        for addr in addrs:
+            if addr.family == socket.AF_INET and not ipaddress.ip_address(addr.address).is_loopback:
+                return name, addr.address
     return None
 
 
@@ -91,6 +84,20 @@ def assert_succeeded(*runs):
     for run in runs:
         assert run.returncode == 0, run
         assert_no_traceback(run.err)
+
+
+def error_lines(proc):
+    return re.findall(r"^Error on rank .*$", proc.err, re.M)
+
+
+def one_error_line(proc, code=1):
+    """Exit status `code`, exactly one error line, which it returns, and no traceback but torch's own reports of
+    an exception raised inside an RPC that ran here (from "On WorkerInfo(" to the error line)."""
+    assert proc.returncode == code, proc
+    assert_no_traceback(re.sub(r"(?ms)^On WorkerInfo\(.*?(?=^Error on rank|\Z)", "", proc.err))
+    lines = error_lines(proc)
+    assert len(lines) == 1, proc
+    return lines[0]
 
 
 def summary(out, timings=True):
@@ -169,21 +176,35 @@ class Run:
         except ProcessLookupError:
             pass
 
-    def processes_left(self, children_only=False):
-        """Processes still alive in this run's session (launcher and ranks), or only the launcher's children."""
+    def processes_left(self):
+        """Processes still alive in this run's session (the command and all it started)."""
         left = []
         for entry in Path("/proc").iterdir():
             try:
-                state, ppid, _, session = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:4]
+                state, _, _, session = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:4]
             except (OSError, IndexError, ValueError):
                 continue
-            if int(session) == self.pid and state != "Z" and (int(ppid) == self.pid or not children_only):
+            if int(session) == self.pid and state != "Z":
                 left.append(int(entry.name))
         return sorted(left)
 
     def __repr__(self):
         return (f"exit {self.returncode} after {self.seconds} s\nstdout:\n{self.out[-4000:]}"
                 f"\nstderr:\n{self.err[-4000:]}")
+
+
+@pytest.fixture
+def run(tmp_path):
+    """run(script, *args, env=None) starts a script of the repository (Run). Every process it started is killed
+    at teardown, pass or fail."""
+    started = []
+
+    def start(script, *args, env=None):
+        started.append(Run(script, args, cwd=tmp_path, env=env))
+        return started[-1]
+
+    yield start
+    stop_all(started)
 
 
 def stop_all(runs):
@@ -193,20 +214,6 @@ def stop_all(runs):
         proc.proc.wait()
 
 
-@pytest.fixture
-def run(tmp_path):
-    """run(script, *args, env=None, netns=None, python_args=()) starts a script of the repository (Run).
-    Every process it started is killed at teardown, pass or fail."""
-    started = []
-
-    def start(script, *args, env=None, netns=None, python_args=()):
-        started.append(Run(script, args, cwd=tmp_path, env=env, netns=netns, python_args=python_args))
-        return started[-1]
-
-    yield start
-    stop_all(started)
-
-
 def wait_all(runs, limit=HANG):
     """Wait for every run to end, `limit` seconds at most in all."""
     deadline = time.monotonic() + limit
@@ -214,105 +221,21 @@ def wait_all(runs, limit=HANG):
         proc.wait(max(1, deadline - time.monotonic()))
 
 
-LATE = 2  # seconds between a rank that says it waits, started by hand, and the next rank a person starts
-SLOW = 10  # seconds that the slow agent's fifth select_action takes; its observer's --timeout is half that
+def changed_copy(folder, script, old, new):
+    """A copy of a script in `folder` with `old` replaced by `new` once, as someone might change it."""
+    text = (ROOT / script).read_text()
+    assert old in text, old
+    (folder / script).write_text(text.replace(old, new, 1))
+    return folder / script
 
 
 def slow_agent(folder):
     """A copy of rpc_rl_cartpole.py whose agent answers its fifth select_action SLOW s late, as a slow agent on a
     busy machine would."""
-    slow = folder / "rpc_rl_cartpole.py"
-    slow.write_text((ROOT / "rpc_rl_cartpole.py").read_text().replace(
-        "    def select_action(self, ob_id, state):\n", "    def select_action(self, ob_id, state):\n"
-        f"        self.calls = getattr(self, 'calls', 0) + 1\n"
-        f"        time.sleep({SLOW} if self.calls == 5 else 0)\n", 1))
-    assert "self.calls == 5" in slow.read_text()
-    return slow
-
-
-def two_gpus(folder):
-    """A copy of ddp_rpc_hybrid.py on a host that says it has two GPUs: no rank sees a real one (the runs set
-    CUDA_VISIBLE_DEVICES=""), and the trainers then agree on the CPU, so nothing else asks."""
-    copy = folder / "ddp_rpc_hybrid.py"
-    text = (ROOT / "ddp_rpc_hybrid.py").read_text()
-    copy.write_text(text.replace("index < torch.cuda.device_count()", "index < 2", 1))
-    assert "index < 2" in copy.read_text()
-    return copy
-
-
-@pytest.fixture(scope="session")
-def shared_runs(tmp_path_factory, tiny_mnist):
-    """The runs that tests read, but for the failure cases that time how fast a run ends, started together so
-    that they share the cores, and all ended before any test reads them, so that their load never overlaps a later
-    test's. A dict by name:
-    - "rnn", "ps", "rl", "ddp 3", "ddp 4": each script's one-command launch, as a user types it (the RNN's is the
-      README's command as written); the parameter server and CartPole at world size 2, DDP at 3 and at 4;
-    - "rnn ranks", "ps ranks", "rl ranks": the same flags one terminal per rank, a list of ranks: one rank drives
-      the training alone, so each must print its one-command twin's numbers. The RNN's ranks are started as a
-      person starts them, with the README's flags: rank 1 LATE s after rank 0 says what it waits for, at this
-      host's own non-loopback address where it has one;
-    - "ps 3 ranks": two trainers one terminal per rank, saving the model;
-    - "rnn torchrun": the RNN under torchrun;
-    - "rl slow": [agent, observer] of slow_agent(), the observer, whose --timeout is SLOW / 2, started once the
-      agent says it waits;
-    - "scripts": the RNN's rank 0 and CartPole's rank 1 on one port; "sizes": CartPole's rank 0 at --world_size 2
-      and its rank 1 at 3 on one port, --timeout 2;
-    - "copy SCRIPT": tests/learner.py on each script: its tutorial classes copied into a program of a learner's
-      own, without the plumbing, driven by the upstream examples' launcher."""
-    started = []
-
-    def start(script, *args, python_args=(), timeout=120):
-        # --timeout only bounds a failure: on a loaded machine the ranks of one run may arrive far apart.
-        started.append(Run(script, [*args, *(["--timeout", timeout] if timeout else [])],
-                           cwd=tmp_path_factory.mktemp(Path(script).stem), python_args=python_args))
-        return started[-1]
-
-    def ranks(script, world_size, *args, addr="localhost"):
-        common = [f"--world_size={world_size}", "--master_addr", addr, "--master_port", free_port(), *args]
-        return [start(script, *common, f"--rank={rank}") for rank in range(world_size)]
-
-    def once_waiting(first, *args, late=0, **kwargs):
-        """Start a rank as a person would, `late` s after `first` has said what it waits for."""
-        deadline = time.monotonic() + HANG
-        while " waits " not in first.err and first.proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        time.sleep(late)
-        return start(*args, **kwargs)
-
-    ps_flags = [f"--epochs={PS_EPOCHS}", *tiny_mnist_flags(tiny_mnist)]
-    rl_flags = [f"--max_episodes={RL_EPISODES}", "--log_interval=1"]
-    rnn_at = ["--master_addr", (own_address() or (None, "localhost"))[1], "--master_port", free_port()]
-    slow, slow_port = slow_agent(tmp_path_factory.mktemp("slow")), ["--master_port", free_port(), "--max_episodes=3"]
-    scripts_port, sizes_port = free_port(), free_port()
-    runs = {
-        "rnn": start("rpc_rnn_model_parallel.py"),
-        "rnn ranks": [start("rpc_rnn_model_parallel.py", "--rank=0", *rnn_at, timeout=None)],
-        "rl slow": [start(slow, "--rank=0", *slow_port, timeout=60)],
-        "ps": start("rpc_parameter_server.py", "--world_size=2", *ps_flags),
-        "ps ranks": ranks("rpc_parameter_server.py", 2, *ps_flags),
-        "rl": start("rpc_rl_cartpole.py", "--world_size=2", *rl_flags),
-        "rl ranks": ranks("rpc_rl_cartpole.py", 2, *rl_flags),
-        "ddp 3": start("ddp_rpc_hybrid.py", "--world_size=3", f"--epochs={DDP_EPOCHS}"),
-        "ddp 4": start("ddp_rpc_hybrid.py", "--world_size=4", f"--epochs={DDP_EPOCHS}"),
-        "ps 3 ranks": ranks("rpc_parameter_server.py", 3, *ps_flags, "--save_model", "model.pt"),
-        "rnn torchrun": start("rpc_rnn_model_parallel.py", "--epochs=2", python_args=[
-            "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]),
-        # these two pairs meet as soon as both have started
-        "scripts": [start("rpc_rnn_model_parallel.py", "--rank=0", "--master_port", scripts_port),
-                    start("rpc_rl_cartpole.py", "--rank=1", "--master_port", scripts_port)],
-        **{f"copy {script}": start(ROOT / "tests" / "learner.py", ROOT / script, free_port(), free_port(),
-                                   tiny_mnist, timeout=None) for script in SCRIPT_FILES},
-        "sizes": [start("rpc_rl_cartpole.py", f"--rank={rank}", f"--world_size={2 + rank}", "--master_port",
-                        sizes_port, timeout=2) for rank in (0, 1)],  # they wait 5 * 2 s to meet
-    }
-    try:
-        runs["rl slow"].append(once_waiting(runs["rl slow"][0], slow, "--rank=1", *slow_port, timeout=SLOW / 2))
-        runs["rnn ranks"].append(once_waiting(runs["rnn ranks"][0], "rpc_rnn_model_parallel.py", "--rank=1", *rnn_at,
-                                              late=LATE, timeout=None))
-        wait_all(started)
-        yield runs
-    finally:
-        stop_all(started)
+    return changed_copy(folder, "rpc_rl_cartpole.py", "    def select_action(self, ob_id, state):\n",
+                        "    def select_action(self, ob_id, state):\n"
+                        "        self.calls = getattr(self, 'calls', 0) + 1\n"
+                        f"        time.sleep({SLOW} if self.calls == 5 else 0)\n")
 
 
 def write_idx(raw_dir, split, images, labels):
@@ -322,14 +245,10 @@ def write_idx(raw_dir, split, images, labels):
         f.write(struct.pack(">II", 2049, len(labels)) + labels.numpy().tobytes())
 
 
-def tiny_mnist_flags(root):
-    return ["--data_dir", root, "--no-download", "--batch_size", MNIST_BATCH_SIZE, "--log_interval", MNIST_LOG_INTERVAL]
-
-
 @pytest.fixture(scope="session")
 def tiny_mnist(tmp_path_factory):
     """An MNIST root with MNIST_TRAIN train and MNIST_TEST test 28x28 images, in the
-    raw IDX form that torchvision.datasets.MNIST(download=False) reads."""
+    raw IDX form that torchvision.datasets.MNIST reads."""
     root = tmp_path_factory.mktemp("mnist")
     raw = root / "MNIST" / "raw"
     raw.mkdir(parents=True)
@@ -344,45 +263,14 @@ def tiny_mnist(tmp_path_factory):
     return root
 
 
-def _rpc_group_of_one(check, port, results):
-    """In the spawned process: an RPC group of one named like the parameter server, so that a script's RPCs to
-    that worker land here; then the check."""
-    options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", _transports=["uv"])
-    rpc.init_rpc("parameter_server", rank=0, world_size=1, rpc_backend_options=options)
-    try:
-        check()
-        results.send(None)
-    except BaseException:
-        results.send(traceback.format_exc())
-    os._exit(0)  # nothing in a group of one to wind down
-
-
-def in_rpc_group(check, timeout=120):
-    """Run check(), a module-level function of a test module, in a freshly spawned process that is an RPC group
-    of one: RPC starts only once per process, and a spawned process (not a forked one) may use CUDA."""
-    context = multiprocessing.get_context("spawn")
-    answers, results = context.Pipe(duplex=False)
-    helper = context.Process(target=_rpc_group_of_one, args=(check, free_port(), results), daemon=True)
-    helper.start()
-    results.close()
-    try:
-        if not multiprocessing.connection.wait([answers, helper.sentinel], timeout):
-            pytest.fail(f"{check.__name__} did not finish within {timeout} s", pytrace=False)
-        failure = answers.recv() if answers.poll() else f"the process died (exit code {helper.exitcode})"
-        if failure:
-            pytest.fail(f"{check.__name__} failed in its RPC group of one:\n{failure}", pytrace=False)
-    finally:
-        helper.kill()
-        helper.join()
-
-
 @contextlib.contextmanager
 def two_hosts():
     """Two network namespaces joined by a veth pair: two hosts with their own addresses, whose hostnames resolve
-    to 127.0.0.1 as on many cloud images. Yields (hosts, addrs); the veth inside host i is "v" + hosts[i][3:].
-    Skips the tests that need them where they cannot be made."""
+    to 127.0.0.1 as on many cloud images. Yields (hosts, addrs), or the reason why they cannot be made here; the
+    veth inside host i is "v" + hosts[i][3:]."""
     if os.geteuid() != 0 or not shutil.which("ip"):
-        pytest.skip("needs root and iproute2 to create network namespaces")
+        yield "needs root and iproute2 to create network namespaces"
+        return
     tag = uuid.uuid4().hex[:6]
     hosts = [f"rpc{tag}a", f"rpc{tag}b"]
     subnet = f"10.{200 + int(tag[:2], 16) % 50}.{int(tag[2:4], 16)}"
@@ -395,10 +283,155 @@ def two_hosts():
                      ["ip", "-n", host, "link", "set", dev, "up"],
                      ["ip", "-n", host, "link", "set", "lo", "up"]]
     try:
-        for command in commands:
-            if subprocess.run(command, capture_output=True).returncode != 0:
-                pytest.skip(f"cannot create network namespaces here ({' '.join(command)} failed)")
-        yield hosts, [f"{subnet}.1", f"{subnet}.2"]
+        failed = next((command for command in commands if subprocess.run(command, capture_output=True).returncode),
+                      None)
+        yield f"cannot create network namespaces here ({' '.join(failed)} failed)" if failed else (
+            hosts, [f"{subnet}.1", f"{subnet}.2"])
     finally:
         for host in hosts:
             subprocess.run(["ip", "netns", "del", host], capture_output=True)
+            shutil.rmtree(f"/etc/netns/{host}", ignore_errors=True)
+
+
+def host_resolves_hostname_to(host, addr):
+    """Make `ip netns exec host` resolve this machine's hostname to addr, as a desktop or a cloud machine whose
+    hostname resolves to its network address does: ip netns exec reads /etc/netns/HOST/hosts as /etc/hosts."""
+    Path(f"/etc/netns/{host}").mkdir(parents=True, exist_ok=True)
+    Path(f"/etc/netns/{host}/hosts").write_text(f"127.0.0.1 localhost\n{addr} {socket.gethostname()}\n")
+
+
+def watch_listening(run, netns, runs):
+    """Into runs["rnn listening"], the local addresses on which the processes of `run` listened for TCP inside
+    network namespace `netns`, from its first training line until it ended."""
+    runs["rnn listening"] = seen = set()
+    while "Training epoch 0 " not in run.out and run.proc.poll() is None:
+        time.sleep(0.05)
+    while run.proc.poll() is None:
+        pids = run.processes_left()
+        table = subprocess.run(["ip", "netns", "exec", netns, "ss", "-ltnpH"], capture_output=True, text=True)
+        seen.update(line.split()[3].rsplit(":", 1)[0] for line in table.stdout.splitlines()
+                    if any(int(pid) in pids for pid in re.findall(r"pid=(\d+)", line)))
+        time.sleep(0.1)
+
+
+# One terminal per rank across two hosts, rank 0 on host A and the others on B, until A's link goes down:
+# (script, world size, flags, the rank that shows training under way, its line). The DDP example has every kind
+# of rank: its trainers sit in RPCs and collectives, its master calls them and checks on its peers, its
+# parameter server only waits.
+VANISHING = [("ddp_rpc_hybrid.py", 4, ["--epochs", 100000], 1, "Training done for epoch 1 ")]
+
+
+def torchrun(addr, endpoint, nproc):
+    """torchrun's flags for one machine of two: c10d rendezvous at endpoint, hosted by the machine that has that
+    address (is_host: its hostname resolves to 127.0.0.1, so torchrun cannot tell), each machine naming its own
+    address (--local_addr: else the ranks are told MASTER_ADDR=localhost)."""
+    return ["-m", "torch.distributed.run", "--nnodes=2", f"--nproc_per_node={nproc}", "--rdzv_backend=c10d",
+            f"--rdzv_endpoint={endpoint}", f"--rdzv_conf=is_host={int(endpoint.startswith(addr + ':'))}",
+            f"--local_addr={addr}"]
+
+
+@pytest.fixture(scope="session")
+def shared_runs(tmp_path_factory, tiny_mnist):
+    """The runs that tests read, but for the failure cases that time how fast a run ends, started together so
+    that they share the cores, and all ended before any test reads them, so that their load never overlaps a later
+    test's. A dict by name:
+    - "rnn", "ps", "rl", "ddp 3", "ddp 4": each script's one-command launch, as a user types it (the RNN's is the
+      README's command as written); the parameter server and CartPole at world size 2, DDP at 3 and at 4. The
+      parameter server's trainers load MNIST with two DataLoader workers, as a learner may change it;
+    - "rnn ranks", "ps ranks", "rl ranks": one terminal per rank, a list of ranks: one rank drives the training
+      alone, so each must print its one-command twin's numbers, for as long as it runs (the parameter server
+      one epoch, CartPole 10 episodes). The RNN's ranks are started as a person starts them, with the README's
+      flags: rank 1 two seconds after rank 0 says that it waits, at this host's own non-loopback address where
+      it has one;
+    - "rl slow": [agent, observer] of slow_agent(), the observer, whose --timeout is SLOW / 2, started once the
+      agent says it waits;
+    - "scripts": the RNN's rank 0 and CartPole's rank 1 on one port; "sizes": CartPole's rank 0 at --world_size 2
+      and its rank 1 at 3 on one port, --timeout 2;
+    - "copy": tests/learner.py, the parameter server's tutorial part copied into a program of a learner's own,
+      without the plumbing, with two trainers and the upstream example's launcher;
+    - "hosts": where network namespaces can be made, else the reason why not (a str); then the RNN's one command
+      runs on host B, whose hostname resolves to B's address, and "rnn listening" holds the addresses its
+      processes listened on while they trained;
+      "vanished": the runs of VANISHING by script, a list of ranks, rank 0 on host A and the others on B, each
+      under way when A's link went down, "down" seconds later all had ended;
+      "torchrun addrs" and "torchrun": the RNN under torchrun across a second pair of hosts, one agent on each."""
+    started = []
+
+    def start(script, *args, python_args=(), timeout=120, netns=None, env=None):
+        # --timeout only bounds a failure: on a loaded machine the ranks of one run may arrive far apart.
+        started.append(Run(script, [*args, *(["--timeout", timeout] if timeout else [])],
+                           cwd=tmp_path_factory.mktemp(Path(script).stem), python_args=python_args, netns=netns,
+                           env=env))
+        return started[-1]
+
+    def ranks(script, world_size, *args, addr="localhost"):
+        common = [f"--world_size={world_size}", "--master_addr", addr, "--master_port", free_port(), *args]
+        return [start(script, *common, f"--rank={rank}") for rank in range(world_size)]
+
+    def once_waiting(first, *args, late=0, **kwargs):
+        """Start a rank as a person would, `late` s after `first` has said that it waits."""
+        deadline = time.monotonic() + HANG
+        while " waits " not in first.err and first.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(late)
+        return start(*args, **kwargs)
+
+    ps_flags = ["--data_dir", tiny_mnist, f"--epochs={PS_EPOCHS}"]
+    rnn_at = ["--master_addr", (own_address() or (None, "localhost"))[1], "--master_port", free_port()]
+    slow, slow_port = slow_agent(tmp_path_factory.mktemp("slow")), ["--master_port", free_port(), "--max_episodes=3"]
+    scripts_port, sizes_port = free_port(), free_port()
+    with two_hosts() as pair, two_hosts() as torchrun_pair:
+        if not isinstance(pair, str):
+            host_resolves_hostname_to(pair[0][1], pair[1][1])
+        runs = {
+            "rnn": start("rpc_rnn_model_parallel.py", netns=None if isinstance(pair, str) else pair[0][1]),
+            "rnn ranks": [start("rpc_rnn_model_parallel.py", "--rank=0", *rnn_at, timeout=None)],
+            "rl slow": [start(slow, "--rank=0", *slow_port, timeout=60)],
+            "ps": start(changed_copy(tmp_path_factory.mktemp("workers"), "rpc_parameter_server.py",
+                                     "shuffle=True,", "shuffle=True, num_workers=2,"), "--world_size=2", *ps_flags),
+            "ps ranks": ranks("rpc_parameter_server.py", 2, "--data_dir", tiny_mnist),
+            "rl": start("rpc_rl_cartpole.py", "--world_size=2", f"--max_episodes={RL_EPISODES}", "--log_interval=1"),
+            "rl ranks": ranks("rpc_rl_cartpole.py", 2, "--max_episodes=10", "--log_interval=1"),
+            "ddp 3": start("ddp_rpc_hybrid.py", "--world_size=3", f"--epochs={DDP_EPOCHS}"),
+            "ddp 4": start("ddp_rpc_hybrid.py", "--world_size=4", f"--epochs={DDP_EPOCHS}"),
+            # these two pairs meet as soon as both have started
+            "scripts": [start("rpc_rnn_model_parallel.py", "--rank=0", "--master_port", scripts_port),
+                        start("rpc_rl_cartpole.py", "--rank=1", "--master_port", scripts_port)],
+            "copy": start(ROOT / "tests" / "learner.py", free_port(), tiny_mnist, timeout=None),
+            "sizes": [start("rpc_rl_cartpole.py", f"--rank={rank}", f"--world_size={2 + rank}", "--master_port",
+                            sizes_port, timeout=2) for rank in (0, 1)],  # they wait 5 * 2 s to meet
+            "hosts": pair,
+        }
+        vanished = []
+        if not isinstance(pair, str):
+            (host_a, host_b), (addr_a, addr_b) = pair
+            loopback = threading.Thread(target=watch_listening, args=(runs["rnn"], host_b, runs), daemon=True)
+            loopback.start()
+            for script, world_size, flags, _, _ in VANISHING:
+                common = [f"--world_size={world_size}", "--master_addr", addr_a, "--master_port", free_port(), *flags]
+                runs.setdefault("vanished", {})[script] = [
+                    start(script, *common, f"--rank={rank}", timeout=VANISH_TIMEOUT, netns=host_b if rank else host_a,
+                          env={"OMP_NUM_THREADS": "1"}) for rank in range(world_size)]
+                vanished += runs["vanished"][script]
+        if not isinstance(torchrun_pair, str):
+            hosts, addrs = torchrun_pair
+            endpoint = f"{addrs[0]}:{free_port()}"
+            runs.update({"torchrun addrs": addrs, "torchrun": [
+                start("rpc_rnn_model_parallel.py", "--epochs=2", netns=host,
+                      python_args=torchrun(addr, endpoint, 1)) for host, addr in zip(hosts, addrs)]})
+        try:
+            runs["rl slow"].append(once_waiting(runs["rl slow"][0], slow, "--rank=1", *slow_port, timeout=SLOW / 2))
+            runs["rnn ranks"].append(once_waiting(runs["rnn ranks"][0], "rpc_rnn_model_parallel.py", "--rank=1",
+                                                  *rnn_at, late=2, timeout=None))
+            if vanished:  # the waits are long: the other runs start too
+                for script, _, _, printer, line in VANISHING:
+                    runs["vanished"][script][printer].wait_for(line, HANG)
+                subprocess.run(["ip", "-n", host_a, "link", "set", "v" + host_a[3:], "down"], check=True)
+                down = time.monotonic()
+                wait_all(vanished)
+                runs["down"] = time.monotonic() - down
+                loopback.join(HANG)
+            wait_all(started)
+            yield runs
+        finally:
+            stop_all(started)

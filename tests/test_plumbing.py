@@ -1,10 +1,6 @@
-"""What all four scripts share: imports that start nothing, torchrun, and the interface that reaches the master
-(across two hosts: tests/test_several_machines.py)."""
-import re
-
-import pytest
-
-from conftest import RNN_EPOCHS, ROOT, SCRIPTS, assert_succeeded, own_address, summary
+"""What all four scripts share: imports that start nothing (torchrun and the failures: tests/test_several_machines.py
+and tests/test_failures.py)."""
+from conftest import ROOT, SCRIPTS
 
 IMPORT_ONLY = """
 import contextlib, io, os, sys, threading
@@ -39,23 +35,3 @@ def test_importing_a_script_starts_nothing(run, tmp_path):
     (tmp_path / "import_only.py").write_text(IMPORT_ONLY)
     proc = run(tmp_path / "import_only.py", ROOT, *SCRIPTS).wait()
     assert (proc.returncode, proc.out, proc.err) == (0, "", ""), proc
-
-
-def test_torchrun_sets_the_ranks(shared_runs):
-    # torchrun hosts its own store at MASTER_PORT; the script joins it, and runs one rank per process.
-    proc = shared_runs["rnn torchrun"]
-    assert_succeeded(proc)
-    assert proc.out.count("Summary:") == 1 and "Summary: epochs=2 " in proc.out, proc
-    assert "Starting " not in proc.out, proc
-
-
-def test_a_master_addr_of_this_host_picks_its_interface(shared_runs):
-    # Needs neither root nor a second machine: this host's own address is reached through its own interface.
-    if own_address() is None:
-        pytest.skip("this host has no non-loopback IPv4 address")
-    ifname, addr = own_address()
-    ranks = shared_runs["rnn ranks"]
-    assert_succeeded(*ranks)
-    for rank, proc in enumerate(ranks):
-        assert re.search(rf"^Rank {rank}: interface {re.escape(ifname)}$", proc.out, re.M), proc
-    assert summary(ranks[1].out)["epochs"] == str(RNN_EPOCHS), ranks[1]  # and the run trained

@@ -6,13 +6,16 @@ import shlex
 
 import pytest
 
-from conftest import ROOT, summary
+from conftest import ROOT, SCRIPT_FILES, summary
 
 README = (ROOT / "README.md").read_text()
 BLOCKS = re.findall(r"^```(\w*)\n(.*?)^```$", README, re.M | re.S)
 COMMANDS = [line.split("#")[0].strip() for kind, block in BLOCKS if kind == "bash" for line in block.splitlines()]
 COMMANDS = [command for command in COMMANDS if command]
 SCRIPTS = [command for command in COMMANDS if command.startswith(("python rpc_", "python ddp_", "torchrun "))]
+# Each script and the flags the README gives it, once: torchrun's commands give none.
+ARGUMENTS = sorted({(script, tuple(words[words.index(script) + 1:])) for command in SCRIPTS
+                    for words in [shlex.split(command)] for script in words if script.endswith(".py")})
 
 
 def test_every_command_is_a_known_kind():
@@ -20,20 +23,17 @@ def test_every_command_is_a_known_kind():
     assert others <= {"pip install -r requirements.txt", "pip install pytest", "python -m pytest",
                       "pip install torch==2.14.1 torchvision==0.29.2 --index-url https://download.pytorch.org/whl/cpu"}, others
     assert "python -m pytest" in COMMANDS  # .ci/run runs the README's test command
-    for script in ("rpc_parameter_server.py", "rpc_rl_cartpole.py", "rpc_rnn_model_parallel.py", "ddp_rpc_hybrid.py"):
-        assert any(script in command and "--rank" not in command for command in SCRIPTS), script  # one command
+    for script in SCRIPT_FILES:  # each with one command, and one terminal per rank, and torchrun
+        assert any(script in command and "--rank" not in command and "torchrun" not in command
+                   for command in SCRIPTS), script
     assert any("--rank" in command for command in SCRIPTS) and any("torchrun" in command for command in SCRIPTS)
 
 
-@pytest.mark.parametrize("command", SCRIPTS)
-def test_each_script_command_parses(command, monkeypatch):
+@pytest.mark.parametrize("script, argv", ARGUMENTS, ids=[" ".join([s, *a]) for s, a in ARGUMENTS])
+def test_each_scripts_flags_parse(script, argv, monkeypatch):
     for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):  # as a user's shell, not torchrun's
         monkeypatch.delenv(name, raising=False)
-    words = shlex.split(command)
-    script = next(word for word in words if word.endswith(".py"))
-    module = importlib.import_module(script[:-3])
-    assert (ROOT / script).exists()
-    module.parse_args(words[words.index(script) + 1:])  # argparse exits 2 on a flag that does not exist
+    importlib.import_module(script[:-3]).parse_args(list(argv))  # argparse exits 2 on a flag that does not exist
 
 
 def test_the_rnn_sample_output_is_what_the_script_prints(shared_runs):
