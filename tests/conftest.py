@@ -215,10 +215,15 @@ def stop_all(runs):
 
 
 def wait_all(runs, limit=HANG):
-    """Wait for every run to end, `limit` seconds at most in all."""
+    """Wait for every run to end, `limit` seconds at most in all, and kill those left then: each test judges its
+    runs by what they printed and how they ended (-9: killed here)."""
     deadline = time.monotonic() + limit
     for proc in runs:
-        proc.wait(max(1, deadline - time.monotonic()))
+        try:
+            proc.proc.wait(max(1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        proc.wait()
 
 
 def changed_copy(folder, script, old, new):
@@ -428,7 +433,7 @@ def shared_runs(tmp_path_factory, tiny_mnist):
                     runs["vanished"][script][printer].wait_for(line, HANG)
                 subprocess.run(["ip", "-n", host_a, "link", "set", "v" + host_a[3:], "down"], check=True)
                 down = time.monotonic()
-                wait_all(vanished)
+                wait_all(vanished, 90)  # the test asks for less
                 runs["down"] = time.monotonic() - down
                 loopback.join(HANG)
             wait_all(started)
