@@ -57,8 +57,7 @@ class HybridModel(torch.nn.Module):
     def __init__(self, remote_emb_module, device):
         super().__init__()
         self.remote_emb_module = remote_emb_module
-        # The tutorial's device, a rank, means cuda:rank: here the CPU unless the host has a GPU
-        # for each trainer, as DDP needs one device type. A device or "cpu" is taken as it is.
+        # The tutorial's device is a rank (cuda:rank): the CPU unless there is a GPU per trainer.
         if isinstance(device, int) and torch.cuda.device_count() < dist.get_world_size():
             device = "cpu"
         self.device = torch.device(device)
@@ -142,7 +141,7 @@ def _run_trainer(remote_emb_module, rank, epochs=100, batches_per_epoch=10, lr=0
         epoch_losses.append(sum(losses) / len(losses))
         # The tutorial prints neither the loss nor the trainer.
         print(f"Training done for epoch {epoch} loss {epoch_losses[-1]:.4f} (trainer{rank})")
-    # Not in the tutorial: for the master's Summary, and its check that DDP kept them equal.
+    # Not in the tutorial: for the master's Summary and its check of DDP.
     fc_weights = {name: tensor.cpu() for name, tensor in model.fc.module.state_dict().items()}
     return epoch_losses, fc_weights
 
@@ -189,7 +188,7 @@ def run_worker(rank, world_size, args):
             futs.append(fut)
 
         # Wait for all training to finish: not with the tutorial's fut.wait() for each in turn,
-        # which sits on one trainer while another failed. Each second, any error is raised.
+        # which sits on one trainer while another failed.
         while not all(fut.done() for fut in futs):
             time.sleep(1)
             torch.futures.wait_all([fut for fut in futs if fut.done()])  # raises an error
@@ -222,12 +221,11 @@ def parse_args(argv=None):  # the tutorial has no flags
     parser.add_argument("--epochs", type=int, default=100, help="Training epochs on each trainer.")
     args = parse_common(parser, argv, world_size=4)
     if args.world_size < 3:
-        parser.error(f"--world_size must be at least 3 (at least one trainer, the master and the "
-                     f"parameter server), got {args.world_size}")
+        parser.error("--world_size must be at least 3: a trainer, the master and the server")
     return args
 
 
-# --------- Launching ranks: not in the tutorials, the same in all four --------------------
+# --------- Launching ranks (not in the tutorials) --------------------
 def backend_options(args, **kwargs):
     # TCP only: shared memory busy-polls (private: pytorch/pytorch#33982).
     return rpc.TensorPipeRpcBackendOptions(

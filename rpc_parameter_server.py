@@ -137,8 +137,7 @@ def get_parameter_server(num_gpus=0):
 
 
 def run_parameter_server(rank, world_size, args):
-    # Forward and backward free each other's tensors on two threads: glibc then gives 25 MB a
-    # batch back to the OS and faults it in again. Freeing 30 MB first raises its thresholds.
+    # Freeing 30 MB once raises glibc's thresholds: else it gives 25 MB a batch back to the OS.
     torch.empty(30 * 2**20, dtype=torch.uint8)
     # Built now, not at a trainer's call: a wrong --num_gpus stops rank 0 at once.
     get_parameter_server(args.num_gpus)
@@ -193,8 +192,7 @@ def run_training_loop(rank, num_gpus, train_loader, test_loader, epochs=1, lr=0.
                 if i % log_interval == 0:
                     print(f"Rank {rank} training batch {i} loss {loss.item():.4f}")
                 dist_autograd.backward(cid, [loss])
-                # Ensure that dist autograd ran successfully and gradients were returned:
-                # once, not every batch (1.2M gradients each time).
+                # Ensure that dist autograd ran successfully and gradients were returned (once).
                 if epoch == i == 0:
                     assert remote_method(
                         ParameterServer.get_dist_gradients, net.param_server_rref, cid) != {}
@@ -256,7 +254,7 @@ def load_mnist(args, rank):
         fcntl.flock(lock, fcntl.LOCK_EX)
         train_set = datasets.MNIST(args.data_dir, train=True, download=True, transform=transform)
         test_set = datasets.MNIST(args.data_dir, train=False, transform=transform)
-    # Each trainer shuffles its own way, the same way for the same --seed.
+    # Each trainer its own order, repeated by --seed.
     generator = torch.Generator().manual_seed(args.seed + rank)
     train_loader = torch.utils.data.DataLoader(train_set, batch_size=32, shuffle=True,
                                                generator=generator)
@@ -268,7 +266,7 @@ def worker_name(rank, world_size):
     return "parameter_server" if rank == 0 else f"trainer_{rank}"
 
 
-def parse_args(argv=None):  # the tutorial parses at import: a function lets others import classes
+def parse_args(argv=None):  # the tutorial parses at import
     parser = argparse.ArgumentParser(
         description="Parameter-Server RPC based training",
         epilog="Rank 0 is the parameter server, every other rank a trainer.",
@@ -279,14 +277,13 @@ def parse_args(argv=None):  # the tutorial parses at import: a function lets oth
     add("--data_dir", default="./data", help="Folder that holds (or receives) MNIST/.")
     args = parse_common(parser, argv, world_size=4)
     if args.world_size < 2:
-        parser.error(f"--world_size must be at least 2 (one parameter server and a trainer), "
-                     f"got {args.world_size}")
+        parser.error("--world_size must be at least 2: a parameter server and a trainer")
     if not 0 <= args.num_gpus <= 2:  # the tutorial's assert lets 3 through
         parser.error(f"--num_gpus must be between 0 and 2, got {args.num_gpus}")
     return args
 
 
-# --------- Launching ranks: not in the tutorials, the same in all four --------------------
+# --------- Launching ranks (not in the tutorials) --------------------
 def backend_options(args, **kwargs):
     # TCP only: shared memory busy-polls (private: pytorch/pytorch#33982).
     return rpc.TensorPipeRpcBackendOptions(

@@ -63,8 +63,7 @@ class Observer:
     def __init__(self, seed=1):  # the tutorial's seed is its global args.seed, 1 by default
         self.id = rpc.get_worker_info().id
         self.env = gym.make("CartPole-v1")
-        # The tutorial's env.seed(args.seed) gives every observer the same episodes; gymnasium
-        # seeds at reset, here by rank.
+        # By rank: the tutorial's env.seed(args.seed) gives every observer the same episodes.
         self.env.reset(seed=seed + self.id)
 
     def run_episode(self, agent_rref):
@@ -210,7 +209,7 @@ def worker_name(rank, world_size):
     return AGENT_NAME if rank == 0 else OBSERVER_NAME.format(rank)
 
 
-def parse_args(argv=None):  # the tutorial parses at import: a function lets others import classes
+def parse_args(argv=None):  # the tutorial parses at import
     parser = argparse.ArgumentParser(
         description="RPC Reinforcement Learning Example",
         epilog="Rank 0 is the agent, every other rank an observer with a CartPole of its own.",
@@ -222,12 +221,11 @@ def parse_args(argv=None):  # the tutorial parses at import: a function lets oth
         help="Stop after N episodes even if not solved (0: run until solved, as the tutorial).")
     args = parse_common(parser, argv, world_size=2)
     if args.world_size < 2:
-        parser.error(f"--world_size must be at least 2 (one agent and at least one observer), "
-                     f"got {args.world_size}")
+        parser.error("--world_size must be at least 2: an agent and an observer")
     return args
 
 
-# --------- Launching ranks: not in the tutorials, the same in all four --------------------
+# --------- Launching ranks (not in the tutorials) --------------------
 def backend_options(args, **kwargs):
     # TCP only: shared memory busy-polls (private: pytorch/pytorch#33982).
     return rpc.TensorPipeRpcBackendOptions(

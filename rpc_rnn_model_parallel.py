@@ -218,12 +218,11 @@ def parse_args(argv=None):  # the tutorial has no flags
     parser.add_argument("--epochs", type=int, default=10, help="Training epochs.")
     args = parse_common(parser, argv, world_size=2)
     if args.world_size != 2:
-        parser.error(f"--world_size must be 2 (the parameter server and one trainer), "
-                     f"got {args.world_size}")
+        parser.error("--world_size must be 2: the parameter server and the trainer")
     return args
 
 
-# --------- Launching ranks: not in the tutorials, the same in all four --------------------
+# --------- Launching ranks (not in the tutorials) --------------------
 def backend_options(args, **kwargs):
     # TCP only: shared memory busy-polls (private: pytorch/pytorch#33982).
     return rpc.TensorPipeRpcBackendOptions(

@@ -15,10 +15,10 @@ CASES = [
         (["--epoch=1"], "unrecognized arguments: --epoch=1"),  # no prefix matching
     ]],
     # world sizes too small for the roles, and the parameter server's GPUs
-    ("rpc_rnn_model_parallel", ["--world_size=3"], "--world_size must be 2 (the parameter server and one trainer), got 3"),
-    ("rpc_parameter_server", ["--world_size=1"], "--world_size must be at least 2 (one parameter server and a trainer), got 1"),
-    ("rpc_rl_cartpole", ["--world_size=1"], "--world_size must be at least 2 (one agent and at least one observer), got 1"),
-    ("ddp_rpc_hybrid", ["--world_size=2"], "--world_size must be at least 3 (at least one trainer, the master and the parameter server), got 2"),
+    ("rpc_rnn_model_parallel", ["--world_size=3"], "--world_size must be 2: the parameter server and the trainer"),
+    ("rpc_parameter_server", ["--world_size=1"], "--world_size must be at least 2: a parameter server and a trainer"),
+    ("rpc_rl_cartpole", ["--world_size=1"], "--world_size must be at least 2: an agent and an observer"),
+    ("ddp_rpc_hybrid", ["--world_size=2"], "--world_size must be at least 3: a trainer, the master and the server"),
     ("rpc_parameter_server", ["--num_gpus=3"], "--num_gpus must be between 0 and 2, got 3"),
 ]
 
