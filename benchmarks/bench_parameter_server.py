@@ -5,8 +5,8 @@
 --data_dir is an MNIST root (it holds MNIST/raw/), as the script takes it. Each round runs, one after the other:
 
 1. one process: this file's plain loop in a fresh process with torch's defaults, the loop a user would write:
-   the script's Net, the first --train_samples training images in the order the script's trainer draws them,
-   batch 32, SGD lr 0.03, one epoch, then accuracy on the first --test_samples test images. Alone:
+   the script's Net, the training images in the order the script's trainer draws them, batch 32, SGD lr 0.03,
+   one epoch, then accuracy on the test images. Alone:
        python benchmarks/bench_parameter_server.py --single --data_dir DIR
 2. the parameter server at world size 2, one process per rank as a user starts them in two terminals:
        python rpc_parameter_server.py --world_size=2 --rank=0 --master_port=PORT --data_dir=DIR ...
@@ -37,8 +37,6 @@ def single(args):
     transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize((0.1307,), (0.3081,))])
     train = datasets.MNIST(args.data_dir, train=True, download=False, transform=transform)
     test = datasets.MNIST(args.data_dir, train=False, download=False, transform=transform)
-    train = torch.utils.data.Subset(train, range(min(args.train_samples or len(train), len(train))))
-    test = torch.utils.data.Subset(test, range(min(args.test_samples or len(test), len(test))))
     shuffle = torch.Generator().manual_seed(args.seed + TRAINER)  # the order in which the script's trainer draws
     train_loader = torch.utils.data.DataLoader(train, batch_size=32, shuffle=True, generator=shuffle)
     test_loader = torch.utils.data.DataLoader(test, batch_size=32)
@@ -63,14 +61,12 @@ def single(args):
 def main():
     p = parser(__doc__.splitlines()[0], "one process, parameter server")
     p.add_argument("--data_dir", required=True, help="an MNIST root (holds MNIST/raw/), as the script's")
-    p.add_argument("--train_samples", type=int, default=8000, help="first N training images (0: all)")
-    p.add_argument("--test_samples", type=int, default=2000, help="first N test images (0: all)")
     p.add_argument("--single", action="store_true", help="run only the one-process loop, here, and print it")
     args = p.parse_args()
     args.data_dir = os.path.abspath(args.data_dir)
     if args.single:
         return single(args)
-    samples = [f"--train_samples={args.train_samples}", f"--test_samples={args.test_samples}", f"--seed={args.seed}"]
+    samples = [f"--seed={args.seed}"]
 
     def one_round(n):
         one = python("benchmarks/bench_parameter_server.py", "--single", f"--data_dir={args.data_dir}", *samples)
@@ -91,7 +87,7 @@ def main():
     single_ms, rpc_ms = [r[0] for r in results], [r[1] for r in results]
     print(machine(args, results[0][2]["torch"]), f"single_intra_op_threads={results[0][2]['intra_op_threads']}")
     print(f"bench=parameter_server world_size=2 rounds={args.rounds} threads={args.threads} "
-          f"train_samples={args.train_samples} test_samples={args.test_samples} seed={args.seed} "
+          f"seed={args.seed} "
           f"{spread('single_ms_per_batch', single_ms, 1)} {spread('rpc_ms_per_batch', rpc_ms, 1)} "
           f"ratio_median={statistics.median(r / s for s, r in zip(single_ms, rpc_ms)):.2f} "
           f"ratio_of_medians={statistics.median(rpc_ms) / statistics.median(single_ms):.2f}", flush=True)
