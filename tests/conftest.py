@@ -24,6 +24,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # so tests can import the scripts' classes
 # The environment pytest was started with, the user's: before the tests import gymnasium, which sets a variable.
 USER_ENV = dict(os.environ)
+# A terminal's Ctrl-C reaches a run. This suite started in the background of a script (`bash .ci/run &`) has
+# SIGINT ignored, and so would each run it starts, as an ignored signal stays ignored in a child.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # The four scripts, as module names; each is the file ROOT / f"{name}.py".
 SCRIPTS = ["rpc_parameter_server", "rpc_rl_cartpole", "rpc_rnn_model_parallel", "ddp_rpc_hybrid"]
