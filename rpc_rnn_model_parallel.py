@@ -308,7 +308,7 @@ def run_rank(rank, args):
 
 def parse_common(parser, argv, world_size):
     add, env = parser.add_argument, os.environ.get  # torchrun's
-    add("--world_size", type=int, default=env("WORLD_SIZE", world_size))
+    add("--world_size", "--world-size", type=int, default=env("WORLD_SIZE", world_size))
     add("--rank", type=int, default=env("RANK"), help="Run only this rank.")
     add("--master_addr", default=env("MASTER_ADDR", "localhost"), help="Address of rank 0.")
     add("--master_port", type=int, default=env("MASTER_PORT", 29500),

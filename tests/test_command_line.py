@@ -9,7 +9,7 @@ from conftest import SCRIPTS
 CASES = [
     # the common flags, in every script
     *[(module, argv, problem) for module in SCRIPTS for argv, problem in [
-        (["--world_size=3", "--rank=3"], "--rank must be in [0, 3)"),
+        (["--world-size=3", "--rank=3"], "--rank must be in [0, 3)"),  # the spelling of other tools too
         (["--world_size=2", "--rank=-1"], "--rank must be in [0, 2)"),
         (["--timeout=soon"], "argument --timeout: invalid float value: 'soon'"),
         (["--epoch=1"], "unrecognized arguments: --epoch=1"),  # no prefix matching
