@@ -355,7 +355,8 @@ def shared_runs(tmp_path_factory, tiny_mnist):
     - "rl slow": [agent, observer] of slow_agent(), the observer, whose --timeout is SLOW / 2, started once the
       agent says it waits;
     - "scripts": the RNN's rank 0 and CartPole's rank 1 on one port; "sizes": CartPole's rank 0 at --world_size 2
-      and its rank 1 at 3 on one port, --timeout 2;
+      and its rank 1 at 3 on one port, --timeout 2, rank 1 started once rank 0 says that it waits, as a person
+      starts them (had rank 1 come 8 s early, rank 0 would meet it as its wait ran out: "Connection reset");
     - "copy": tests/learner.py, the parameter server's tutorial part copied into a program of a learner's own,
       without the plumbing, with two trainers and the upstream example's launcher;
     - "hosts": where network namespaces can be made, else the reason why not (a str); then the RNN's one command
@@ -388,7 +389,7 @@ def shared_runs(tmp_path_factory, tiny_mnist):
     ps_flags = ["--data_dir", tiny_mnist, f"--epochs={PS_EPOCHS}"]
     rnn_at = ["--master_addr", (own_address() or (None, "localhost"))[1], "--master_port", free_port()]
     slow, slow_port = slow_agent(tmp_path_factory.mktemp("slow")), ["--master_port", free_port(), "--max_episodes=3"]
-    scripts_port, sizes_port = free_port(), free_port()
+    scripts_port, sizes = free_port(), ["--master_port", free_port()]
     with two_hosts() as pair, two_hosts() as torchrun_pair:
         if not isinstance(pair, str):
             host_resolves_hostname_to(pair[0][1], pair[1][1])
@@ -407,8 +408,7 @@ def shared_runs(tmp_path_factory, tiny_mnist):
             "scripts": [start("rpc_rnn_model_parallel.py", "--rank=0", "--master_port", scripts_port),
                         start("rpc_rl_cartpole.py", "--rank=1", "--master_port", scripts_port)],
             "copy": start(ROOT / "tests" / "learner.py", free_port(), tiny_mnist, timeout=None),
-            "sizes": [start("rpc_rl_cartpole.py", f"--rank={rank}", f"--world_size={2 + rank}", "--master_port",
-                            sizes_port, timeout=2) for rank in (0, 1)],  # they wait 5 * 2 s to meet
+            "sizes": [start("rpc_rl_cartpole.py", "--rank=0", "--world_size=2", *sizes, timeout=2)],
             "hosts": pair,
         }
         vanished = []
@@ -428,7 +428,9 @@ def shared_runs(tmp_path_factory, tiny_mnist):
             runs.update({"torchrun addrs": addrs, "torchrun": [
                 start("rpc_rnn_model_parallel.py", "--epochs=2", netns=host,
                       python_args=torchrun(addr, endpoint, 1)) for host, addr in zip(hosts, addrs)]})
-        try:
+        try:  # the ranks of "sizes" wait 5 * 2 s to meet: theirs first
+            runs["sizes"].append(once_waiting(runs["sizes"][0], "rpc_rl_cartpole.py", "--rank=1", "--world_size=3",
+                                              *sizes, timeout=2))
             runs["rl slow"].append(once_waiting(runs["rl slow"][0], slow, "--rank=1", *slow_port, timeout=SLOW / 2))
             runs["rnn ranks"].append(once_waiting(runs["rnn ranks"][0], "rpc_rnn_model_parallel.py", "--rank=1",
                                                   *rnn_at, late=2, timeout=None))
