@@ -39,7 +39,7 @@ PS_EPOCHS = 2
 RL_EPISODES = 40  # the policy improves by 1.5x in 40 episodes on torch 2.6.0 (3.8x) and 2.14.1 (2.2x)
 RNN_EPOCHS = 10  # the default: the smoke run is the README's command as written
 DDP_EPOCHS = 4
-SLOW = 10  # seconds that the slow agent's fifth select_action takes; its observer's --timeout is half that
+SLOW = 40  # seconds that the slow agent's fifth select_action takes; its observer's --timeout is half that
 VANISH_TIMEOUT = 10  # --timeout of the runs whose machine vanishes
 
 TIMING_FIGURES = {"seconds", "ms_per_batch", "us_per_step"}  # Summary figures that vary from run to run
