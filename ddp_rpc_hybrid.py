@@ -1,15 +1,14 @@
 """The tutorial "Combining Distributed DataParallel with Distributed RPC Framework"
-(https://pytorch.org/tutorials/advanced/rpc_ddp_tutorial.html): the trainers (ranks 0 to N-3)
-keep a layer in sync with DDP and look up an embedding table on the parameter server (rank N-1)
-over RPC; the master (rank N-2) drives them.
+(https://pytorch.org/tutorials/advanced/rpc_ddp_tutorial.html): trainers (ranks 0 to N-3) keep a
+layer in sync with DDP and look up a table on the parameter server (N-1); the master (N-2) drives.
 
-    python ddp_rpc_hybrid.py               # every rank, here
-    python ddp_rpc_hybrid.py --rank=R      # or one terminal per rank, R = 0, 1, 2, 3
-    torchrun --nproc_per_node=4 ddp_rpc_hybrid.py
+    python ddp_rpc_hybrid.py  # every rank; or one terminal each, with --rank=0, 1, 2 and 3
 """
 import argparse
 import contextlib
 import datetime
+import logging
+import math
 import os
 import re
 import signal
@@ -21,7 +20,7 @@ import traceback
 import warnings
 from multiprocessing import resource_tracker
 
-if __name__ == "__main__":  # before torch starts threads, which inherit it: see main
+if __name__ == "__main__":  # before torch starts threads that would inherit it
     signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
     if "--debug" not in sys.argv:
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # no C++ log lines
@@ -42,26 +41,23 @@ NUM_EMBEDDINGS = 100
 EMBEDDING_DIM = 16
 
 
-# --------- The model --------------------
 class HybridModel(torch.nn.Module):
     r"""
-    The model consists of a sparse part and a dense part.
-    1) The dense part is an nn.Linear module that is replicated across all
-       trainers using DistributedDataParallel.
-    2) The sparse part is a Remote Module that holds an nn.EmbeddingBag on the
-       parameter server.
-    This remote model can get a Remote Reference to the embedding table on the
-    parameter server.
+    The dense part, an nn.Linear, is replicated across all trainers using
+    DistributedDataParallel; the sparse part is a Remote Module that holds an
+    nn.EmbeddingBag on the parameter server.
     """
 
     def __init__(self, remote_emb_module, device):
         super().__init__()
         self.remote_emb_module = remote_emb_module
-        # The tutorial's device is a rank (cuda:rank): the CPU unless there is a GPU per trainer.
-        if isinstance(device, int) and torch.cuda.device_count() < dist.get_world_size():
-            device = "cpu"
+        # The tutorial's cuda:rank only if every trainer has one: DDP can't mix CUDA and CPU.
+        if isinstance(device, int):
+            has_gpu = torch.tensor(int(torch.cuda.device_count() > device))
+            dist.all_reduce(has_gpu, op=dist.ReduceOp.MIN)
+            device = device if has_gpu else "cpu"
         self.device = torch.device(device)
-        # No device_ids, which a CPU module must not have: DDP takes the module's device.
+        # No device_ids: DDP takes the module's device, CPU or CUDA.
         self.fc = DDP(torch.nn.Linear(16, 8).to(self.device))
 
     def forward(self, indices, offsets):
@@ -69,45 +65,22 @@ class HybridModel(torch.nn.Module):
         return self.fc(emb_lookup.to(self.device))
 
 
-# --------- Trainer --------------------
-# epochs, batches_per_epoch and lr: the tutorial's fixed 100, 10 and 0.05.
-def _run_trainer(remote_emb_module, rank, epochs=100, batches_per_epoch=10, lr=0.05):
-    r"""
-    Each trainer runs a forward pass which involves an embedding lookup on the
-    parameter server and running nn.Linear locally. During the backward pass,
-    DDP is responsible for aggregating the gradients for the dense part
-    (nn.Linear) and distributed autograd ensures gradients updates are
-    propagated to the parameter server.
-    """
-
-    # Setup the model.
+def _run_trainer(remote_emb_module, rank, epochs=100):  # the tutorial's 100
     model = HybridModel(remote_emb_module, rank)
-
-    # Retrieve all model parameters as rrefs for DistributedOptimizer.
 
     # Retrieve parameters for embedding table.
     model_parameter_rrefs = model.remote_emb_module.remote_parameters()
 
-    # model.fc.parameters() only includes local parameters.
-    # NOTE: Cannot call model.parameters() here,
-    # because this will call remote_emb_module.parameters(),
-    # which supports remote_parameters() but not parameters().
+    # Not model.parameters(): it calls remote_emb_module.parameters(), which RemoteModule lacks.
     for param in model.fc.parameters():
         model_parameter_rrefs.append(RRef(param))
 
-    # Setup distributed optimizer
-    opt = DistributedOptimizer(
-        optim.SGD,
-        model_parameter_rrefs,
-        lr=lr,
-    )
-
+    opt = DistributedOptimizer(optim.SGD, model_parameter_rrefs, lr=0.05)
     criterion = torch.nn.CrossEntropyLoss()
 
     def get_next_batch():
-        # As the tutorial's, 20 to 50 indices cut into bags of 1 to 10, but each bag holds indices
-        # from its class's part of the table: the tutorial's random targets teach nothing.
-        for _ in range(batches_per_epoch):
+        # Each bag from its class's part of the table: the tutorial's random targets teach nothing.
+        for _ in range(10):
             num_indices = int(torch.randint(20, 51, ()))
             offsets = []
             start = 0
@@ -124,87 +97,59 @@ def _run_trainer(remote_emb_module, rank, epochs=100, batches_per_epoch=10, lr=0
     for epoch in range(epochs):
         losses = []
         for indices, offsets, target in get_next_batch():
-            # create distributed autograd context
             with dist_autograd.context() as context_id:
                 output = model(indices, offsets)
                 loss = criterion(output, target)
-
-                # Run distributed backward pass
                 dist_autograd.backward(context_id, [loss])
-
-                # Run distributed optimizer
                 opt.step(context_id)
-
-                # Not necessary to zero grads as each iteration creates a different
-                # distributed autograd context which hosts different grads
+                # No zero_grad: each iteration's autograd context holds its own grads.
             losses.append(loss.item())
         epoch_losses.append(sum(losses) / len(losses))
-        # The tutorial prints neither the loss nor the trainer.
         print(f"Training done for epoch {epoch} loss {epoch_losses[-1]:.4f} (trainer{rank})")
-    # Not in the tutorial: for the master's Summary and its check of DDP.
-    fc_weights = {name: tensor.cpu() for name, tensor in model.fc.module.state_dict().items()}
-    return epoch_losses, fc_weights
+    return epoch_losses, {name: t.cpu() for name, t in model.fc.module.state_dict().items()}
 
 
-# --------- Master, parameter server and trainers --------------------
 def run_worker(rank, world_size, args):
-    r"""
-    A wrapper function that initializes RPC, calls the function, and shuts down
-    RPC.
-    """
-    torch.manual_seed(args.seed + rank)  # the tutorial seeds nothing: --seed fixes the weights
-    # The tutorial's ranks 0 and 1; here all below the master, for any world size.
-    trainers = range(world_size - 2)
-    # --master_port replaces the tutorial's MASTER_ADDR and ports 29500 (DDP) and 29501 (RPC):
-    # torch's store serves both groups.
+    trainers = range(world_size - 2)  # the tutorial's ranks 0 and 1, for any world size
+    # One port for the tutorial's 29500 (DDP) and 29501 (RPC): one store serves both.
     with deadline(rank, args):
         if rank in trainers:
-            # Initialize process group for Distributed DataParallel on trainers. The timeout
-            # bounds its collectives, else 30 minutes.
+            # The timeout bounds DDP's collectives, else 30 minutes.
             dist.init_process_group(backend="gloo", rank=rank, world_size=len(trainers),
                                     init_method=f"tcp://{args.master_addr}:{args.master_port}",
                                     timeout=datetime.timedelta(seconds=5 * args.timeout))
-        # Initialize RPC (the tutorial repeats this call in each of its three branches).
         rpc.init_rpc(worker_name(rank, world_size), rank=rank, world_size=world_size,
                      rpc_backend_options=backend_options(args))
 
     if rank == world_size - 2:
         # Setup embedding table remotely on the parameter server.
         remote_emb_module = RemoteModule(
-            "ps",
-            torch.nn.EmbeddingBag,
-            args=(NUM_EMBEDDINGS, EMBEDDING_DIM),
-            kwargs={"mode": "sum"},
-        )
+            "ps", torch.nn.EmbeddingBag, args=(NUM_EMBEDDINGS, EMBEDDING_DIM),
+            kwargs={"mode": "sum"})
 
         # Run the training loop on trainers.
         start = time.perf_counter()
         futs = []
         for trainer_rank in trainers:
             trainer_name = worker_name(trainer_rank, world_size)
-            # timeout=0 (none): training outlasts an RPC timeout; the loop below watches instead.
+            # No RPC timeout: training outlasts it, and the loop below watches instead.
             fut = rpc.rpc_async(trainer_name, _run_trainer, args=(remote_emb_module, trainer_rank),
                                 kwargs={"epochs": args.epochs}, timeout=0)
             futs.append(fut)
 
-        # Wait for all training to finish: not with the tutorial's fut.wait() for each in turn,
-        # which sits on one trainer while another failed.
+        # Until all finish or one fails (the tutorial's fut.wait() in turn sits on one trainer).
         while not all(fut.done() for fut in futs):
             time.sleep(1)
             torch.futures.wait_all([fut for fut in futs if fut.done()])  # raises an error
             tell_peers(rank, args)
         results = torch.futures.wait_all(futs)
-        # Not in the tutorial: did DDP keep the replicas equal?
-        first = results[0][1]
+        first = results[0][1]  # did DDP keep the replicas equal?
         in_sync = all(torch.equal(fc[key], first[key]) for _, fc in results for key in first)
-        in_sync = str(in_sync).lower() if len(results) > 1 else "n/a"  # one trainer: no other
+        in_sync = str(in_sync).lower() if len(results) > 1 else "n/a"
         losses = " ".join(f"trainer{i}_loss={loss[-1]:.4f}" for i, (loss, _) in enumerate(results))
         print(f"Summary: epochs={args.epochs} seconds={time.perf_counter() - start:.2f} {losses} "
               f"fc_in_sync={in_sync}")
-    # else: trainers and the parameter server wait for RPCs
-
-    # block until all rpcs finish (not rpc.shutdown() alone: it waits forever for a dead peer)
-    wait_for_peers(rank, args)
+    wait_for_peers(rank, args)  # rpc.shutdown() alone hangs on a dead peer
     rpc.shutdown(timeout=args.timeout)
 
 
@@ -215,14 +160,11 @@ def worker_name(rank, world_size):
 
 def parse_args(argv=None):  # the tutorial has no flags
     parser = argparse.ArgumentParser(
-        description="DDP trainers, a remote embedding table and a master, over RPC",
+        description="DDP and RPC combined",
         epilog="Ranks 0 to N-3 are trainers, N-2 the master, N-1 the parameter server.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
-    parser.add_argument("--epochs", type=int, default=100, help="Training epochs on each trainer.")
-    args = parse_common(parser, argv, world_size=4)
-    if args.world_size < 3:
-        parser.error("--world_size must be at least 3: a trainer, the master and the server")
-    return args
+    parser.add_argument("--epochs", type=number(int, 1), default=100, help="Epochs per trainer.")
+    return parse_common(parser, argv, world_size=4, least=3)
 
 
 # --------- Launching ranks (not in the tutorials) --------------------
@@ -239,8 +181,21 @@ def deadline(rank, args):
     timer = threading.Timer(5 * args.timeout, fail, (
         rank, args, f"not all {args.world_size} ranks met at port {args.master_port}"))
     timer.start()
+    # torch's own meeting fails unexplained on two world sizes
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's holds it
+    store = dist.TCPStore(args.master_addr, args.master_port, is_master=rank == 0 and not agent,
+                          timeout=datetime.timedelta(seconds=9 * args.timeout), multi_tenant=True)
+    store.add("came", 1)  # before rank 0 can read the size
+    store.set(str(rank), str(args.world_size))
+    for peer in range(args.world_size):
+        sizes = sorted({int(store.get(str(peer))), args.world_size})
+        if len(sizes) > 1:
+            store.add("told", 1)
+            while rank == 0 and store.add("told", 0) < store.add("came", 0):
+                time.sleep(0.1)  # the others read its store first
+            fail(rank, args, "ranks of --world_size {} and {} met".format(*sizes))
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "You are using a Backend")
+        warnings.filterwarnings("ignore", "You are using a Backend")  # torch's own use of it
         yield
     tell_peers(rank, args)  # a failed first connection aborts TensorPipe (moolib#34)
     timer.cancel()
@@ -273,9 +228,9 @@ def wait_for_peers(rank, args):
 
 def describe(exc, args):
     head, _, tail = str(exc).partition("\nTraceback")  # torch's report of an RPC's
-    if tail:
-        where = re.findall(r"id=(\d+), name=(.*?)\)", head)[-1]
-        return "rank {} ({}): {}".format(*where, re.search(r"\n(\S.*)", tail)[1])
+    where, cause = re.findall(r"id=(\d+), name=(.*?)\)", head), re.findall(r"^\S.*", tail, re.M)
+    if where and cause:
+        return "rank {} ({}): {}".format(*where[-1], cause[0])
     if isinstance(exc, socket.gaierror):
         return f"{args.master_addr}: {exc.strerror}"
     return f"{type(exc).__name__}: {head}".splitlines()[0]
@@ -298,9 +253,10 @@ def run_rank(rank, args):
             with socket.socket(type=socket.SOCK_DGRAM) as probe:
                 probe.connect((args.master_addr, 1))  # UDP: sends nothing
                 ours = probe.getsockname()[0]
-            addrs = psutil.net_if_addrs()
-            args.ifname = next(name for name in addrs if ours in [a.address for a in addrs[name]])
+            args.ifname = next(name for name, addrs in psutil.net_if_addrs().items()
+                               if ours in [a.address for a in addrs])
         os.environ["GLOO_SOCKET_IFNAME"] = os.environ["TP_SOCKET_IFNAME"] = args.ifname
+        torch.manual_seed(args.seed + rank)  # --seed repeats a run
         run_worker(rank, args.world_size, args)
     except Exception as exc:
         if "timeout" not in str(exc):  # a peer ended? name it
@@ -309,39 +265,55 @@ def run_rank(rank, args):
         fail(rank, args, traceback.format_exc() if args.debug else describe(exc, args))
 
 
-def parse_common(parser, argv, world_size):
+def number(kind, low, high=math.inf):  # argparse type naming its range
+    def parse(text):
+        if low <= kind(text) <= high:
+            return kind(text)
+        raise argparse.ArgumentTypeError(f"{text} is not in [{low}, {high}]")
+    parse.__name__ = kind.__name__  # for argparse's "invalid int value"
+    return parse
+
+
+def parse_common(parser, argv, world_size, least, most=math.inf):
     add, env = parser.add_argument, os.environ.get  # torchrun's
-    add("--world_size", "--world-size", type=int, default=env("WORLD_SIZE", world_size))
-    add("--rank", type=int, default=env("RANK"), help="Run only this rank.")
+    add("--world_size", "--world-size", type=number(int, least, most),
+        default=env("WORLD_SIZE", world_size), help="Processes in all, every role.")
+    add("--rank", type=int, default=env("RANK"), help="Run only this rank (None: all).")
     add("--master_addr", default=env("MASTER_ADDR", "localhost"), help="Address of rank 0.")
-    add("--master_port", type=int, default=env("MASTER_PORT", 29500),
-        help="Port of rank 0 (one command: a free one).")
-    add("--ifname")
-    add("--timeout", type=float, default=60, help="Seconds to wait for a peer, 5x to meet.")
-    add("--debug", action="store_true", help="Tracebacks, C++ log.")
-    add("--seed", type=int, default=1)
+    add("--master_port", type=number(int, 1, 65535), default=env("MASTER_PORT"),
+        help="Rank 0's port (None: 29500, or a free one for one command).")
+    add("--ifname", choices=list(psutil.net_if_addrs()), metavar="IFNAME",
+        help="Network interface (None: the one that reaches rank 0).")
+    add("--timeout", type=number(float, 1, 86400), default=60,
+        help="Seconds to wait for a peer, 5x to meet.")
+    add("--debug", action="store_true", help="Tracebacks and torch's log on a failure.")
+    add("--seed", type=number(int, 0, 2**32 - 1), default=1, help="Seeds all random draws.")
     args = parser.parse_args(argv)
     if args.rank is not None and not 0 <= args.rank < args.world_size:
-        parser.error(f"--rank must be in [0, {args.world_size})")
+        parser.error(f"--rank must be in [0, {args.world_size}) at --world_size {args.world_size}")
     return args
 
 
 def main():
     args = parse_args()
     if args.rank is not None:
-        print(f"Rank {args.rank} waits {5 * args.timeout:g} s for all", file=sys.stderr)
+        args.master_port = args.master_port or 29500
+        print(f"Rank {args.rank} waits {5 * args.timeout:g} s for all {args.world_size} ranks at "
+              f"{args.master_addr}:{args.master_port}", file=sys.stderr)
         return run_rank(args.rank, args)
-    if args.master_port == 29500:  # held: no other program takes it
+    if not args.master_port:  # a free one, bound till we exit: rank 0 binds it too (REUSEADDR)
         held = socket.socket()
         held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         held.bind(("", 0))
         args.master_port = held.getsockname()[1]
     print(f"Starting {args.world_size} ranks on port {args.master_port}", flush=True)
     try:
-        resource_tracker.ensure_running()  # unblocks Ctrl-C (CPython bpo-33613)
+        resource_tracker.ensure_running()  # now: its start unblocks SIGINT (CPython bpo-33613)
         signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])  # the ranks inherit it
         ranks = mp.start_processes(run_rank, (args,), args.world_size, join=False)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])  # raises one that came
+        logging.getLogger("torch.multiprocessing.spawn").addFilter(  # our line says it
+            lambda record: "Terminating" not in record.msg)
         while not ranks.join(grace_period=2):
             pass
     except (mp.ProcessExitedException, KeyboardInterrupt) as exc:

@@ -2,14 +2,14 @@
 (https://pytorch.org/tutorials/intermediate/rpc_param_server_tutorial.html): rank 0 holds the
 model, every other rank trains it on MNIST over RPC.
 
-    python rpc_parameter_server.py --world_size=4             # every rank, here
-    python rpc_parameter_server.py --world_size=2 --rank=0    # or one terminal per rank
-    python rpc_parameter_server.py --world_size=2 --rank=1
-    torchrun --nproc_per_node=4 rpc_parameter_server.py
+    python rpc_parameter_server.py  # every rank; or one terminal each, with --rank=R
 """
 import argparse
 import contextlib
+import datetime
 import fcntl
+import logging
+import math
 import os
 import re
 import signal
@@ -21,13 +21,14 @@ import traceback
 import warnings
 from multiprocessing import resource_tracker
 
-if __name__ == "__main__":  # before torch starts threads, which inherit it: see main
+if __name__ == "__main__":  # before torch starts threads that would inherit it
     signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
     if "--debug" not in sys.argv:
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # no C++ log lines
 
 import psutil
 import torch
+import torch.distributed as dist
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 import torch.multiprocessing as mp
@@ -45,14 +46,12 @@ class Net(nn.Module):
         self.num_gpus = num_gpus
         device = torch.device("cuda:0" if torch.cuda.is_available() and num_gpus > 0 else "cpu")
         print(f"Putting first 2 convs on {str(device)}")
-        # Put conv layers on the first cuda device, or CPU if no cuda device
         self.conv1 = nn.Conv2d(1, 32, 3, 1).to(device)
         self.conv2 = nn.Conv2d(32, 64, 3, 1).to(device)
-        # Put rest of the network on the 2nd cuda device, if there is one
         if "cuda" in str(device) and num_gpus > 1:
             device = torch.device("cuda:1")
         print(f"Putting rest of layers on {str(device)}")
-        # nn.Dropout: the tutorial's Dropout2d warns on fc1's 2-D output.
+        # nn.Dropout, as pytorch/examples' MNIST has it now: Dropout2d warns on 2-D input.
         self.dropout1 = nn.Dropout(0.25).to(device)
         self.dropout2 = nn.Dropout(0.5).to(device)
         self.fc1 = nn.Linear(9216, 128).to(device)
@@ -66,7 +65,7 @@ class Net(nn.Module):
         x = self.dropout1(x)
         x = torch.flatten(x, 1)
         next_device = next(self.fc1.parameters()).device
-        x = x.to(next_device)  # Move tensor to next device if necessary
+        x = x.to(next_device)
         x = self.fc1(x)
         x = F.relu(x)
         x = self.dropout2(x)
@@ -97,67 +96,56 @@ class ParameterServer(nn.Module):
 
     def forward(self, inp, training=True):
         inp = inp.to(self.input_device)
-        # The tutorial's pass on the live weights fails its backward once another trainer has
-        # stepped (pytorch/examples#780): each pass runs on clones, swapped in one at a time.
+        # On clones, one at a time: the tutorial's live weights fail a backward (examples#856).
         with self.forward_lock, torch.set_grad_enabled(training):
             self.model.train(training)
             weights = {name: param.clone() for name, param in self.model.named_parameters()}
             out = torch.func.functional_call(self.model, weights, (inp,))
-        return out.to("cpu")  # RPC carries CUDA tensors only with a device map
+        return out.to("cpu")  # RPC only supports CPU tensors
 
     # Use dist autograd to retrieve gradients accumulated for this model.
-    # Primarily used for verification.
     def get_dist_gradients(self, cid):
         grads = dist_autograd.get_gradients(cid)
-        return {k.to("cpu"): v.to("cpu") for k, v in grads.items()}  # to the CPU, as forward
+        return {k.to("cpu"): v.to("cpu") for k, v in grads.items()}
 
     # Wrap local parameters in a RRef. Needed for building the DistributedOptimizer.
     def get_param_rrefs(self):
         return [rpc.RRef(param) for param in self.model.parameters()]
 
 
-# The global parameter server instance, and a lock to ensure we only have one parameter server.
+# The global parameter server instance, and a lock to ensure we only have one.
 param_server = None
 global_lock = threading.Lock()
 
 
 def get_parameter_server(num_gpus=0):
-    """Returns a singleton parameter server to all trainer processes."""
     global param_server
-    # Checked where the GPUs are: the tutorial would use the CPU unnoticed.
-    if num_gpus > torch.cuda.device_count():
+    if num_gpus > torch.cuda.device_count():  # the tutorial would use the CPU unnoticed
         raise ValueError(f"--num_gpus {num_gpus} is more GPUs than the parameter server has "
                          f"({torch.cuda.device_count()})")
-    # Ensure that we get only one handle to the ParameterServer.
-    with global_lock:
+    with global_lock:  # only one handle to the ParameterServer
         if not param_server:
-            # construct it once
             param_server = ParameterServer(num_gpus=num_gpus)
         return param_server
 
 
 def run_parameter_server(rank, world_size, args):
-    # Freeing 30 MB once raises glibc's thresholds: else it gives 25 MB a batch back to the OS.
+    # Freeing 30 MB once raises glibc's trim threshold: else it unmaps 25 MB a batch.
     torch.empty(30 * 2**20, dtype=torch.uint8)
-    # Built now, not at a trainer's call: a wrong --num_gpus stops rank 0 at once.
-    get_parameter_server(args.num_gpus)
-    # The parameter server just acts as a host for the model and responds to requests from trainers.
+    get_parameter_server(args.num_gpus)  # now: a wrong --num_gpus stops rank 0 at once
     print("PS master initializing RPC")
-    # The options replace the tutorial's MASTER_ADDR and MASTER_PORT. 4 RPC threads, not 16:
-    # passes run one at a time, and each thread's OpenMP team slows them.
+    # 4 RPC threads, not 16: passes run one at a time, and each thread's OpenMP team costs.
     with deadline(rank, args):
         rpc.init_rpc(worker_name(rank, world_size), rank=rank, world_size=world_size,
                      rpc_backend_options=backend_options(args, num_worker_threads=4))
     print("RPC initialized! Running parameter server...")
-    # Not in the tutorial, whose rpc.shutdown() alone waits forever for a dead trainer.
-    wait_for_peers(rank, args)
+    wait_for_peers(rank, args)  # rpc.shutdown() alone hangs on a dead trainer
     rpc.shutdown(timeout=args.timeout)
     print("RPC shutdown on parameter server.")
 
 
 # --------- Trainers --------------------
-# nn.Module corresponding to the network trained by this trainer. The
-# forward() method simply invokes the network on the given parameter server.
+# The network trained by this trainer: forward() invokes it on the parameter server.
 class TrainerNet(nn.Module):
     def __init__(self, num_gpus=0):
         super().__init__()
@@ -173,15 +161,10 @@ class TrainerNet(nn.Module):
         return remote_method(ParameterServer.forward, self.param_server_rref, x, self.training)
 
 
-# epochs, lr and log_interval: the tutorial's fixed 1, 0.03 and 5.
-def run_training_loop(rank, num_gpus, train_loader, test_loader, epochs=1, lr=0.03,
-                      log_interval=5):
-    # Runs the typical neural network forward + backward + optimizer step, but
-    # in a distributed fashion.
+def run_training_loop(rank, num_gpus, train_loader, test_loader, epochs=1):  # tutorial: 1
     net = TrainerNet(num_gpus=num_gpus)
-    # Build DistributedOptimizer.
     param_rrefs = net.get_global_param_rrefs()
-    opt = DistributedOptimizer(optim.SGD, param_rrefs, lr=lr)
+    opt = DistributedOptimizer(optim.SGD, param_rrefs, lr=0.03)
     start = time.perf_counter()
     for epoch in range(epochs):
         for i, (data, target) in enumerate(train_loader):
@@ -189,11 +172,10 @@ def run_training_loop(rank, num_gpus, train_loader, test_loader, epochs=1, lr=0.
                 model_output = net(data)
                 target = target.to(model_output.device)
                 loss = F.nll_loss(model_output, target)
-                if i % log_interval == 0:
+                if i % 5 == 0:  # 4 decimals, where the tutorial prints all
                     print(f"Rank {rank} training batch {i} loss {loss.item():.4f}")
                 dist_autograd.backward(cid, [loss])
-                # Ensure that dist autograd ran successfully and gradients were returned (once).
-                if epoch == i == 0:
+                if epoch == i == 0:  # gradients came back (the tutorial asks every batch)
                     assert remote_method(
                         ParameterServer.get_dist_gradients, net.param_server_rref, cid) != {}
                 opt.step(cid)
@@ -201,7 +183,6 @@ def run_training_loop(rank, num_gpus, train_loader, test_loader, epochs=1, lr=0.
     print("Training complete!")
     print("Getting accuracy....")
     accuracy = get_accuracy(test_loader, net)
-    # Not in the tutorial: one key=value line for people and scripts alike.
     print(f"Summary: rank={rank} batches={batches} seconds={seconds:.2f} "
           f"ms_per_batch={1000 * seconds / batches:.1f} accuracy={accuracy:.4f}")
 
@@ -209,7 +190,6 @@ def run_training_loop(rank, num_gpus, train_loader, test_loader, epochs=1, lr=0.
 def get_accuracy(test_loader, model):
     model.eval()
     correct_sum = 0
-    # Use GPU to evaluate if possible
     device = torch.device("cuda:0" if model.num_gpus > 0 and torch.cuda.is_available() else "cpu")
     with torch.no_grad():
         for i, (data, target) in enumerate(test_loader):
@@ -219,45 +199,46 @@ def get_accuracy(test_loader, model):
             correct = pred.eq(target.view_as(pred)).sum().item()
             correct_sum += correct
     acc = correct_sum / len(test_loader.dataset)
-    print(f"Accuracy {acc:.4f}")  # the tutorial prints the full float
+    print(f"Accuracy {acc:.4f}")
     return acc
 
 
-# Main loop for trainers.
 def run_worker(rank, world_size, args):
-    torch.manual_seed(args.seed + rank)  # the tutorial seeds nothing: --seed repeats a run
     if rank == 0:
         return run_parameter_server(rank, world_size, args)
     print(f"Worker rank {rank} initializing RPC")
-    torch.set_num_threads(1)  # a trainer only computes the loss: more threads would spin
-    with deadline(rank, args):  # as in run_parameter_server
+    torch.set_num_threads(1)  # more threads would only spin
+    with deadline(rank, args):
         rpc.init_rpc(worker_name(rank, world_size), rank=rank, world_size=world_size,
                      rpc_backend_options=backend_options(args))
     print(f"Worker {rank} done initializing RPC")
-    # After init_rpc, not before as in the tutorial: a download holds up no peer's --timeout.
-    train_loader, test_loader = load_mnist(args, rank)
+    # After init_rpc, unlike the tutorial: a download delays no peer's meeting.
+    train_loader, test_loader = load_mnist(args)
     run_training_loop(rank, args.num_gpus, train_loader, test_loader, epochs=args.epochs)
-    wait_for_peers(rank, args)  # see run_parameter_server
+    wait_for_peers(rank, args)
     rpc.shutdown(timeout=args.timeout)
 
 
-# --------- MNIST data --------------------
-def load_mnist(args, rank):
-    """The tutorial's train and test loaders."""
+def load_mnist(args):
     from torchvision import datasets, transforms  # slow to import, and only trainers need it
 
     transform = transforms.Compose(
         [transforms.ToTensor(), transforms.Normalize((0.1307,), (0.3081,))])
-    os.makedirs(args.data_dir, exist_ok=True)
-    # One trainer at a time: trainers started together would download into the same files.
-    with open(os.path.join(args.data_dir, ".lock"), "w") as lock:
+    with open(__file__) as lock:  # else trainers started together download into one file
         fcntl.flock(lock, fcntl.LOCK_EX)
-        train_set = datasets.MNIST(args.data_dir, train=True, download=True, transform=transform)
+        try:
+            train_set = datasets.MNIST(args.data_dir, train=True, download=True,
+                                       transform=transform)
+        except RuntimeError as exc:
+            for empty in "MNIST/raw", "MNIST", "":  # the folders left empty
+                with contextlib.suppress(OSError):
+                    os.rmdir(os.path.join(args.data_dir, empty))
+            cause = str(exc).strip().splitlines()[-1]
+            raise RuntimeError(f"cannot download MNIST into {args.data_dir} ({cause}); give "
+                               "--data_dir a folder that holds MNIST/raw/") from None
         test_set = datasets.MNIST(args.data_dir, train=False, transform=transform)
-    # Each trainer its own order, repeated by --seed.
-    generator = torch.Generator().manual_seed(args.seed + rank)
-    train_loader = torch.utils.data.DataLoader(train_set, batch_size=32, shuffle=True,
-                                               generator=generator)
+    # Shuffled by the generator run_worker seeds: --seed repeats a trainer's order.
+    train_loader = torch.utils.data.DataLoader(train_set, batch_size=32, shuffle=True)
     test_loader = torch.utils.data.DataLoader(test_set, batch_size=32, shuffle=True)
     return train_loader, test_loader
 
@@ -272,15 +253,10 @@ def parse_args(argv=None):  # the tutorial parses at import
         epilog="Rank 0 is the parameter server, every other rank a trainer.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
     add = parser.add_argument
-    add("--num_gpus", type=int, default=0, help="GPUs to use for training, between 0 and 2.")
-    add("--epochs", type=int, default=1, help="Epochs each trainer runs.")
-    add("--data_dir", default="./data", help="Folder that holds (or receives) MNIST/.")
-    args = parse_common(parser, argv, world_size=4)
-    if args.world_size < 2:
-        parser.error("--world_size must be at least 2: a parameter server and a trainer")
-    if not 0 <= args.num_gpus <= 2:  # the tutorial's assert lets 3 through
-        parser.error(f"--num_gpus must be between 0 and 2, got {args.num_gpus}")
-    return args
+    add("--num_gpus", type=number(int, 0, 2), default=0, help="GPUs to use for training.")
+    add("--epochs", type=number(int, 1), default=1, help="Epochs each trainer runs.")
+    add("--data_dir", default="./data", help="Where MNIST/ is, or goes (the tutorial's ../data).")
+    return parse_common(parser, argv, world_size=4, least=2)
 
 
 # --------- Launching ranks (not in the tutorials) --------------------
@@ -297,8 +273,21 @@ def deadline(rank, args):
     timer = threading.Timer(5 * args.timeout, fail, (
         rank, args, f"not all {args.world_size} ranks met at port {args.master_port}"))
     timer.start()
+    # torch's own meeting fails unexplained on two world sizes
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's holds it
+    store = dist.TCPStore(args.master_addr, args.master_port, is_master=rank == 0 and not agent,
+                          timeout=datetime.timedelta(seconds=9 * args.timeout), multi_tenant=True)
+    store.add("came", 1)  # before rank 0 can read the size
+    store.set(str(rank), str(args.world_size))
+    for peer in range(args.world_size):
+        sizes = sorted({int(store.get(str(peer))), args.world_size})
+        if len(sizes) > 1:
+            store.add("told", 1)
+            while rank == 0 and store.add("told", 0) < store.add("came", 0):
+                time.sleep(0.1)  # the others read its store first
+            fail(rank, args, "ranks of --world_size {} and {} met".format(*sizes))
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "You are using a Backend")
+        warnings.filterwarnings("ignore", "You are using a Backend")  # torch's own use of it
         yield
     tell_peers(rank, args)  # a failed first connection aborts TensorPipe (moolib#34)
     timer.cancel()
@@ -331,9 +320,9 @@ def wait_for_peers(rank, args):
 
 def describe(exc, args):
     head, _, tail = str(exc).partition("\nTraceback")  # torch's report of an RPC's
-    if tail:
-        where = re.findall(r"id=(\d+), name=(.*?)\)", head)[-1]
-        return "rank {} ({}): {}".format(*where, re.search(r"\n(\S.*)", tail)[1])
+    where, cause = re.findall(r"id=(\d+), name=(.*?)\)", head), re.findall(r"^\S.*", tail, re.M)
+    if where and cause:
+        return "rank {} ({}): {}".format(*where[-1], cause[0])
     if isinstance(exc, socket.gaierror):
         return f"{args.master_addr}: {exc.strerror}"
     return f"{type(exc).__name__}: {head}".splitlines()[0]
@@ -356,9 +345,10 @@ def run_rank(rank, args):
             with socket.socket(type=socket.SOCK_DGRAM) as probe:
                 probe.connect((args.master_addr, 1))  # UDP: sends nothing
                 ours = probe.getsockname()[0]
-            addrs = psutil.net_if_addrs()
-            args.ifname = next(name for name in addrs if ours in [a.address for a in addrs[name]])
+            args.ifname = next(name for name, addrs in psutil.net_if_addrs().items()
+                               if ours in [a.address for a in addrs])
         os.environ["GLOO_SOCKET_IFNAME"] = os.environ["TP_SOCKET_IFNAME"] = args.ifname
+        torch.manual_seed(args.seed + rank)  # --seed repeats a run
         run_worker(rank, args.world_size, args)
     except Exception as exc:
         if "timeout" not in str(exc):  # a peer ended? name it
@@ -367,39 +357,55 @@ def run_rank(rank, args):
         fail(rank, args, traceback.format_exc() if args.debug else describe(exc, args))
 
 
-def parse_common(parser, argv, world_size):
+def number(kind, low, high=math.inf):  # argparse type naming its range
+    def parse(text):
+        if low <= kind(text) <= high:
+            return kind(text)
+        raise argparse.ArgumentTypeError(f"{text} is not in [{low}, {high}]")
+    parse.__name__ = kind.__name__  # for argparse's "invalid int value"
+    return parse
+
+
+def parse_common(parser, argv, world_size, least, most=math.inf):
     add, env = parser.add_argument, os.environ.get  # torchrun's
-    add("--world_size", "--world-size", type=int, default=env("WORLD_SIZE", world_size))
-    add("--rank", type=int, default=env("RANK"), help="Run only this rank.")
+    add("--world_size", "--world-size", type=number(int, least, most),
+        default=env("WORLD_SIZE", world_size), help="Processes in all, every role.")
+    add("--rank", type=int, default=env("RANK"), help="Run only this rank (None: all).")
     add("--master_addr", default=env("MASTER_ADDR", "localhost"), help="Address of rank 0.")
-    add("--master_port", type=int, default=env("MASTER_PORT", 29500),
-        help="Port of rank 0 (one command: a free one).")
-    add("--ifname")
-    add("--timeout", type=float, default=60, help="Seconds to wait for a peer, 5x to meet.")
-    add("--debug", action="store_true", help="Tracebacks, C++ log.")
-    add("--seed", type=int, default=1)
+    add("--master_port", type=number(int, 1, 65535), default=env("MASTER_PORT"),
+        help="Rank 0's port (None: 29500, or a free one for one command).")
+    add("--ifname", choices=list(psutil.net_if_addrs()), metavar="IFNAME",
+        help="Network interface (None: the one that reaches rank 0).")
+    add("--timeout", type=number(float, 1, 86400), default=60,
+        help="Seconds to wait for a peer, 5x to meet.")
+    add("--debug", action="store_true", help="Tracebacks and torch's log on a failure.")
+    add("--seed", type=number(int, 0, 2**32 - 1), default=1, help="Seeds all random draws.")
     args = parser.parse_args(argv)
     if args.rank is not None and not 0 <= args.rank < args.world_size:
-        parser.error(f"--rank must be in [0, {args.world_size})")
+        parser.error(f"--rank must be in [0, {args.world_size}) at --world_size {args.world_size}")
     return args
 
 
 def main():
     args = parse_args()
     if args.rank is not None:
-        print(f"Rank {args.rank} waits {5 * args.timeout:g} s for all", file=sys.stderr)
+        args.master_port = args.master_port or 29500
+        print(f"Rank {args.rank} waits {5 * args.timeout:g} s for all {args.world_size} ranks at "
+              f"{args.master_addr}:{args.master_port}", file=sys.stderr)
         return run_rank(args.rank, args)
-    if args.master_port == 29500:  # held: no other program takes it
+    if not args.master_port:  # a free one, bound till we exit: rank 0 binds it too (REUSEADDR)
         held = socket.socket()
         held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         held.bind(("", 0))
         args.master_port = held.getsockname()[1]
     print(f"Starting {args.world_size} ranks on port {args.master_port}", flush=True)
     try:
-        resource_tracker.ensure_running()  # unblocks Ctrl-C (CPython bpo-33613)
+        resource_tracker.ensure_running()  # now: its start unblocks SIGINT (CPython bpo-33613)
         signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])  # the ranks inherit it
         ranks = mp.start_processes(run_rank, (args,), args.world_size, join=False)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])  # raises one that came
+        logging.getLogger("torch.multiprocessing.spawn").addFilter(  # our line says it
+            lambda record: "Terminating" not in record.msg)
         while not ranks.join(grace_period=2):
             pass
     except (mp.ProcessExitedException, KeyboardInterrupt) as exc:

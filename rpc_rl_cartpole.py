@@ -1,14 +1,14 @@
 """The tutorial "Getting Started with Distributed RPC Framework", part 1
 (https://pytorch.org/tutorials/intermediate/rpc_tutorial.html): the agent (rank 0) owns the
-policy, and every other rank plays CartPole-v1, asking the agent for each action over RPC.
+policy; every other rank plays CartPole-v1, asking it for each action.
 
-    python rpc_rl_cartpole.py --world_size=3             # every rank, here
-    python rpc_rl_cartpole.py --world_size=2 --rank=0    # or one terminal per rank
-    python rpc_rl_cartpole.py --world_size=2 --rank=1
-    torchrun --nproc_per_node=2 rpc_rl_cartpole.py
+    python rpc_rl_cartpole.py --world_size=3  # every rank; or one terminal each, with --rank=R
 """
 import argparse
 import contextlib
+import datetime
+import logging
+import math
 import os
 import re
 import signal
@@ -21,15 +21,15 @@ import warnings
 from itertools import count
 from multiprocessing import resource_tracker
 
-if __name__ == "__main__":  # before torch starts threads, which inherit it: see main
+if __name__ == "__main__":  # before torch starts threads that would inherit it
     signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
     if "--debug" not in sys.argv:
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # no C++ log lines
 
-# The tutorial's gym is no longer maintained; gymnasium's reset and step differ (see Observer).
-import gymnasium as gym
+import gymnasium as gym  # the tutorial's gym is no longer maintained
 import psutil
 import torch
+import torch.distributed as dist
 import torch.distributed.rpc as rpc
 import torch.multiprocessing as mp
 import torch.nn as nn
@@ -42,7 +42,6 @@ AGENT_NAME = "agent"
 OBSERVER_NAME = "obs{}"
 
 
-# --------- Policy --------------------
 class Policy(nn.Module):
     def __init__(self):
         super().__init__()
@@ -58,47 +57,38 @@ class Policy(nn.Module):
         return F.softmax(action_scores, dim=1)
 
 
-# --------- Observer --------------------
 class Observer:
-    def __init__(self, seed=1):  # the tutorial's seed is its global args.seed, 1 by default
+    def __init__(self, seed=1):  # the tutorial's global args.seed
         self.id = rpc.get_worker_info().id
         self.env = gym.make("CartPole-v1")
         # By rank: the tutorial's env.seed(args.seed) gives every observer the same episodes.
         self.env.reset(seed=seed + self.id)
 
     def run_episode(self, agent_rref):
-        state, _ = self.env.reset()  # gymnasium: reset returns (state, info); step, five values
+        state, _ = self.env.reset()  # gymnasium's (state, info)
         for _ in range(10000):
-            # Send state to agent and get action back
+            # send the state to the agent to get an action
             action = agent_rref.rpc_sync().select_action(self.id, state)
-
-            # Apply action to environment (gym's done is terminated or truncated)
             state, reward, terminated, truncated, _ = self.env.step(action)
-
-            # Report reward to agent for training
+            # report the reward to the agent for training purpose
             agent_rref.rpc_sync().report_reward(self.id, reward)
-
-            if terminated or truncated:
+            if terminated or truncated:  # gym's done
                 break
 
 
-# --------- Agent --------------------
 class Agent:
-    # lr, gamma and seed: the tutorial's fixed 1e-2 and its global args' gamma and seed.
-    def __init__(self, world_size, lr=1e-2, gamma=0.99, seed=1):
+    def __init__(self, world_size, gamma=0.99, seed=1):  # the tutorial's global args
         self.ob_rrefs = []
         self.agent_rref = RRef(self)
         self.rewards = {}
         self.saved_log_probs = {}
         self.policy = Policy()
-        self.optimizer = optim.Adam(self.policy.parameters(), lr=lr)
+        self.optimizer = optim.Adam(self.policy.parameters(), lr=1e-2)
         self.gamma = gamma
-        self.eps = torch.finfo(torch.float32).eps  # the tutorial's numpy gives the same
+        self.eps = torch.finfo(torch.float32).eps  # as the tutorial's numpy
         self.running_reward = 0
         self.reward_threshold = gym.make("CartPole-v1").spec.reward_threshold
-        self.total_steps = 0  # for the Summary line
-
-        # Initialize remote observers
+        self.total_steps = 0
         for ob_rank in range(1, world_size):
             ob_info = rpc.get_worker_info(OBSERVER_NAME.format(ob_rank))
             self.ob_rrefs.append(remote(ob_info, Observer, kwargs={"seed": seed}))
@@ -119,21 +109,18 @@ class Agent:
     def run_episode(self):
         futs = []
         for ob_rref in self.ob_rrefs:
-            # Kick off episodes on all observers asynchronously, in one call each: the tutorial's
-            # rpc_async(..., ob_rref.rpc_sync().run_episode) has each observer call itself.
+            # one call each, where the tutorial's rpc_async of _call_method makes two
             futs.append(ob_rref.rpc_async().run_episode(self.agent_rref))
 
-        # Wait for all episodes to complete, or for the first that fails (the tutorial's fut.wait()
-        # for each in turn would wait on one observer while another failed)
+        # until all finish or one fails (the tutorial's fut.wait() in turn sits on one)
         torch.futures.wait_all(futs)
 
     def finish_episode(self):
-        # Combine data from all observers
+        # joins probs and rewards from different observers into lists
         probs, returns = [], []
         for ob_id in self.rewards:
             probs.extend(self.saved_log_probs[ob_id])
-            # Discount within each observer's own trajectory: the tutorial discounts all of them
-            # joined end to end, so one observer's rewards leaked into another's returns.
+            # Per observer: the tutorial's returns run across observers' episodes joined.
             R, ob_returns = 0, []
             for r in self.rewards[ob_id][::-1]:
                 R = r + self.gamma * R
@@ -141,45 +128,36 @@ class Agent:
             returns.extend(ob_returns)
         self.total_steps += len(returns)
 
-        # Calculate running reward
         min_reward = min([sum(self.rewards[ob_id]) for ob_id in self.rewards])
         self.running_reward = 0.05 * min_reward + (1 - 0.05) * self.running_reward
 
-        # Clear stored data
         for ob_id in self.rewards:
             self.rewards[ob_id] = []
             self.saved_log_probs[ob_id] = []
 
-        # Compute policy loss
         policy_loss = []
         returns = torch.tensor(returns)
         returns = (returns - returns.mean()) / (returns.std() + self.eps)
         for log_prob, R in zip(probs, returns):
             policy_loss.append(-log_prob * R)
-
-        # Update policy
         self.optimizer.zero_grad()
         policy_loss = torch.cat(policy_loss).sum()
         policy_loss.backward()
         self.optimizer.step()
-
         return min_reward
 
 
-# --------- Launch Distributed Workers --------------------
 def run_worker(rank, world_size, args):
-    torch.manual_seed(args.seed + rank)  # the tutorial seeds only the environment: torch too
-    torch.set_num_threads(1)  # the policy is tiny: a second thread only spins against other ranks
-    # The options replace the tutorial's MASTER_ADDR and MASTER_PORT. One RPC thread on the agent:
-    # autograd sums gradients in the order of the threads that built the graph (same seed).
+    torch.set_num_threads(1)  # the policy is tiny: a second thread only spins
+    # One RPC thread on the agent: the threads that build the graph set the gradients' sum order.
     options = backend_options(args, num_worker_threads=1 if rank == 0 else 16)
-    with deadline(rank, args):  # one init_rpc for both roles, where the tutorial has one in each
+    with deadline(rank, args):
         rpc.init_rpc(worker_name(rank, world_size), rank=rank, world_size=world_size,
                      rpc_backend_options=options)
     if rank == 0:
-        # Rank 0 is the agent
         agent = Agent(world_size, gamma=args.gamma, seed=args.seed)
-        print(f"This will run until reward threshold of {agent.reward_threshold} is reached.")
+        print(f"This will run until reward threshold of {agent.reward_threshold} is reached"
+              + (f", or for {args.max_episodes} episodes." if args.max_episodes else "."))
         start = time.perf_counter()
         for i_episode in count(1):
             agent.run_episode()
@@ -193,15 +171,13 @@ def run_worker(rank, world_size, args):
             if solved:
                 print(f"Solved! Running reward is now {agent.running_reward}!")
                 break
-            if i_episode == args.max_episodes:  # not in the tutorial, which has no bound
+            if i_episode == args.max_episodes:  # the tutorial has no bound
                 break
-        seconds = time.perf_counter() - start  # not in the tutorial: a line for people and scripts
+        seconds = time.perf_counter() - start
         print(f"Summary: episodes={i_episode} steps={agent.total_steps} seconds={seconds:.2f} "
               f"us_per_step={seconds / agent.total_steps * 1e6:.0f} solved={str(solved).lower()}")
-    # else: other ranks are observers; they wait passively for agent commands
-
-    # Not in the tutorial, whose rpc.shutdown() alone waits forever for a dead peer.
-    wait_for_peers(rank, args)
+    # else: observers passively wait for instructions from the agent
+    wait_for_peers(rank, args)  # rpc.shutdown() alone hangs on a dead peer
     rpc.shutdown(timeout=args.timeout)
 
 
@@ -212,17 +188,14 @@ def worker_name(rank, world_size):
 def parse_args(argv=None):  # the tutorial parses at import
     parser = argparse.ArgumentParser(
         description="RPC Reinforcement Learning Example",
-        epilog="Rank 0 is the agent, every other rank an observer with a CartPole of its own.",
+        epilog="Rank 0 is the agent, every other rank an observer.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
     add = parser.add_argument
-    add("--log_interval", type=int, default=10, metavar="N", help="Episodes between status lines.")
-    add("--gamma", type=float, default=0.99, metavar="G", help="How much to value future rewards.")
-    add("--max_episodes", type=int, default=0, metavar="N",
-        help="Stop after N episodes even if not solved (0: run until solved, as the tutorial).")
-    args = parse_common(parser, argv, world_size=2)
-    if args.world_size < 2:
-        parser.error("--world_size must be at least 2: an agent and an observer")
-    return args
+    add("--log_interval", type=number(int, 1), default=10, help="Episodes between status lines.")
+    add("--gamma", type=number(float, 0, 1), default=0.99, help="How much to value future rewards.")
+    add("--max_episodes", type=number(int, 0), default=0,
+        help="Stop after this many episodes (0: when solved, as the tutorial).")
+    return parse_common(parser, argv, world_size=2, least=2)
 
 
 # --------- Launching ranks (not in the tutorials) --------------------
@@ -239,8 +212,21 @@ def deadline(rank, args):
     timer = threading.Timer(5 * args.timeout, fail, (
         rank, args, f"not all {args.world_size} ranks met at port {args.master_port}"))
     timer.start()
+    # torch's own meeting fails unexplained on two world sizes
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's holds it
+    store = dist.TCPStore(args.master_addr, args.master_port, is_master=rank == 0 and not agent,
+                          timeout=datetime.timedelta(seconds=9 * args.timeout), multi_tenant=True)
+    store.add("came", 1)  # before rank 0 can read the size
+    store.set(str(rank), str(args.world_size))
+    for peer in range(args.world_size):
+        sizes = sorted({int(store.get(str(peer))), args.world_size})
+        if len(sizes) > 1:
+            store.add("told", 1)
+            while rank == 0 and store.add("told", 0) < store.add("came", 0):
+                time.sleep(0.1)  # the others read its store first
+            fail(rank, args, "ranks of --world_size {} and {} met".format(*sizes))
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "You are using a Backend")
+        warnings.filterwarnings("ignore", "You are using a Backend")  # torch's own use of it
         yield
     tell_peers(rank, args)  # a failed first connection aborts TensorPipe (moolib#34)
     timer.cancel()
@@ -273,9 +259,9 @@ def wait_for_peers(rank, args):
 
 def describe(exc, args):
     head, _, tail = str(exc).partition("\nTraceback")  # torch's report of an RPC's
-    if tail:
-        where = re.findall(r"id=(\d+), name=(.*?)\)", head)[-1]
-        return "rank {} ({}): {}".format(*where, re.search(r"\n(\S.*)", tail)[1])
+    where, cause = re.findall(r"id=(\d+), name=(.*?)\)", head), re.findall(r"^\S.*", tail, re.M)
+    if where and cause:
+        return "rank {} ({}): {}".format(*where[-1], cause[0])
     if isinstance(exc, socket.gaierror):
         return f"{args.master_addr}: {exc.strerror}"
     return f"{type(exc).__name__}: {head}".splitlines()[0]
@@ -298,9 +284,10 @@ def run_rank(rank, args):
             with socket.socket(type=socket.SOCK_DGRAM) as probe:
                 probe.connect((args.master_addr, 1))  # UDP: sends nothing
                 ours = probe.getsockname()[0]
-            addrs = psutil.net_if_addrs()
-            args.ifname = next(name for name in addrs if ours in [a.address for a in addrs[name]])
+            args.ifname = next(name for name, addrs in psutil.net_if_addrs().items()
+                               if ours in [a.address for a in addrs])
         os.environ["GLOO_SOCKET_IFNAME"] = os.environ["TP_SOCKET_IFNAME"] = args.ifname
+        torch.manual_seed(args.seed + rank)  # --seed repeats a run
         run_worker(rank, args.world_size, args)
     except Exception as exc:
         if "timeout" not in str(exc):  # a peer ended? name it
@@ -309,39 +296,55 @@ def run_rank(rank, args):
         fail(rank, args, traceback.format_exc() if args.debug else describe(exc, args))
 
 
-def parse_common(parser, argv, world_size):
+def number(kind, low, high=math.inf):  # argparse type naming its range
+    def parse(text):
+        if low <= kind(text) <= high:
+            return kind(text)
+        raise argparse.ArgumentTypeError(f"{text} is not in [{low}, {high}]")
+    parse.__name__ = kind.__name__  # for argparse's "invalid int value"
+    return parse
+
+
+def parse_common(parser, argv, world_size, least, most=math.inf):
     add, env = parser.add_argument, os.environ.get  # torchrun's
-    add("--world_size", "--world-size", type=int, default=env("WORLD_SIZE", world_size))
-    add("--rank", type=int, default=env("RANK"), help="Run only this rank.")
+    add("--world_size", "--world-size", type=number(int, least, most),
+        default=env("WORLD_SIZE", world_size), help="Processes in all, every role.")
+    add("--rank", type=int, default=env("RANK"), help="Run only this rank (None: all).")
     add("--master_addr", default=env("MASTER_ADDR", "localhost"), help="Address of rank 0.")
-    add("--master_port", type=int, default=env("MASTER_PORT", 29500),
-        help="Port of rank 0 (one command: a free one).")
-    add("--ifname")
-    add("--timeout", type=float, default=60, help="Seconds to wait for a peer, 5x to meet.")
-    add("--debug", action="store_true", help="Tracebacks, C++ log.")
-    add("--seed", type=int, default=1)
+    add("--master_port", type=number(int, 1, 65535), default=env("MASTER_PORT"),
+        help="Rank 0's port (None: 29500, or a free one for one command).")
+    add("--ifname", choices=list(psutil.net_if_addrs()), metavar="IFNAME",
+        help="Network interface (None: the one that reaches rank 0).")
+    add("--timeout", type=number(float, 1, 86400), default=60,
+        help="Seconds to wait for a peer, 5x to meet.")
+    add("--debug", action="store_true", help="Tracebacks and torch's log on a failure.")
+    add("--seed", type=number(int, 0, 2**32 - 1), default=1, help="Seeds all random draws.")
     args = parser.parse_args(argv)
     if args.rank is not None and not 0 <= args.rank < args.world_size:
-        parser.error(f"--rank must be in [0, {args.world_size})")
+        parser.error(f"--rank must be in [0, {args.world_size}) at --world_size {args.world_size}")
     return args
 
 
 def main():
     args = parse_args()
     if args.rank is not None:
-        print(f"Rank {args.rank} waits {5 * args.timeout:g} s for all", file=sys.stderr)
+        args.master_port = args.master_port or 29500
+        print(f"Rank {args.rank} waits {5 * args.timeout:g} s for all {args.world_size} ranks at "
+              f"{args.master_addr}:{args.master_port}", file=sys.stderr)
         return run_rank(args.rank, args)
-    if args.master_port == 29500:  # held: no other program takes it
+    if not args.master_port:  # a free one, bound till we exit: rank 0 binds it too (REUSEADDR)
         held = socket.socket()
         held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         held.bind(("", 0))
         args.master_port = held.getsockname()[1]
     print(f"Starting {args.world_size} ranks on port {args.master_port}", flush=True)
     try:
-        resource_tracker.ensure_running()  # unblocks Ctrl-C (CPython bpo-33613)
+        resource_tracker.ensure_running()  # now: its start unblocks SIGINT (CPython bpo-33613)
         signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])  # the ranks inherit it
         ranks = mp.start_processes(run_rank, (args,), args.world_size, join=False)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])  # raises one that came
+        logging.getLogger("torch.multiprocessing.spawn").addFilter(  # our line says it
+            lambda record: "Terminating" not in record.msg)
         while not ranks.join(grace_period=2):
             pass
     except (mp.ProcessExitedException, KeyboardInterrupt) as exc:

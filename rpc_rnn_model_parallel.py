@@ -2,13 +2,13 @@
 (https://pytorch.org/tutorials/intermediate/rpc_tutorial.html): an RNN split between the parameter
 server (rank 0: embedding table and decoder) and the trainer (rank 1: the LSTM).
 
-    python rpc_rnn_model_parallel.py             # both ranks, here
-    python rpc_rnn_model_parallel.py --rank=0    # or one terminal per rank
-    python rpc_rnn_model_parallel.py --rank=1
-    torchrun --nproc_per_node=2 rpc_rnn_model_parallel.py
+    python rpc_rnn_model_parallel.py  # both ranks; or one terminal each, with --rank=0 and 1
 """
 import argparse
 import contextlib
+import datetime
+import logging
+import math
 import os
 import re
 import signal
@@ -20,13 +20,14 @@ import traceback
 import warnings
 from multiprocessing import resource_tracker
 
-if __name__ == "__main__":  # before torch starts threads, which inherit it: see main
+if __name__ == "__main__":  # before torch starts threads that would inherit it
     signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
     if "--debug" not in sys.argv:
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # no C++ log lines
 
 import psutil
 import torch
+import torch.distributed as dist
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 import torch.multiprocessing as mp
@@ -36,30 +37,20 @@ from torch.distributed.optim import DistributedOptimizer
 from torch.distributed.rpc import RRef
 
 
-# --------- Distributed modules --------------------
 # The tutorial's uniform(-0.1, 0.1) weights barely learn in 50 steps: both keep PyTorch's own.
 class EmbeddingTable(nn.Module):
-    r"""
-    Encoding layers of the RNNModel
-    """
-
     def __init__(self, ntoken, ninp, dropout):
         super().__init__()
-        # The tutorial calls .cuda() unconditionally, which fails without a GPU.
+        # On the GPU if there is one: the tutorial's unconditional .cuda() fails without.
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.drop = nn.Dropout(dropout)
         self.encoder = nn.Embedding(ntoken, ninp).to(self.device)
 
     def forward(self, input):
-        # Back to the CPU, where the LSTM runs: RPC carries CUDA tensors only with a device map.
         return self.drop(self.encoder(input.to(self.device)).cpu())
 
 
 class Decoder(nn.Module):
-    r"""
-    Decoding layers of the RNNModel
-    """
-
     def __init__(self, ntoken, nhid, dropout):
         super().__init__()
         self.drop = nn.Dropout(dropout)
@@ -69,45 +60,25 @@ class Decoder(nn.Module):
         return self.decoder(self.drop(output))
 
 
-# --------- Helper Methods --------------------
-# The tutorial's _remote_method calls local_value() on the trainer, which does not own the RRef:
-# it fails. These two, from pytorch/examples, run the method on the owner.
+# The tutorial's _remote_method(method_rref, ...) is handed a method first and fails: a function
+# has no local_value(). These two, of its part 1, run the method on the RRef's owner.
 def _call_method(method, rref, *args, **kwargs):
-    r"""
-    a helper function to call a method on the given RRef
-    """
     return method(rref.local_value(), *args, **kwargs)
 
 
 def _remote_method(method, rref, *args, **kwargs):
-    r"""
-    a helper function to run method on the owner of rref and fetch back the
-    result using RPC
-    """
     args = [method, rref] + list(args)
     return rpc.rpc_sync(rref.owner(), _call_method, args=args, kwargs=kwargs)
 
 
 def _parameter_rrefs(module):
-    r"""
-    Create one RRef for each parameter in the given local module, and return a
-    list of RRefs.
-    """
     param_rrefs = []
     for param in module.parameters():
         param_rrefs.append(RRef(param))
     return param_rrefs
 
 
-# --------- The distributed RNN model --------------------
 class RNNModel(nn.Module):
-    r"""
-    A distributed RNN model which puts embedding table and decoder parameters on
-    a remote parameter server, and locally holds parameters for the LSTM module.
-    The structure of the RNN model is borrowed from the word language model
-    example. See https://github.com/pytorch/examples/blob/main/word_language_model/model.py
-    """
-
     def __init__(self, ps, ntoken, ninp, nhid, nlayers, dropout=0.5):
         super().__init__()
         # setup embedding table remotely
@@ -136,29 +107,23 @@ class RNNModel(nn.Module):
         return remote_params
 
 
-# --------- Training --------------------
-def run_trainer(epochs=10):  # epochs: the tutorial's fixed 10
+def run_trainer(epochs=10):  # the tutorial's 10
     batch = 5
     ntoken = 10
-    # The tutorial's ninp 2, nhid 3, 4 layers and dropout 0.5 barely learn in 50 steps (loss 2.36 ->
-    # 2.35): one wider LSTM layer without dropout does.
+    # One wider LSTM layer, no dropout: the tutorial's 2, 3, 4 layers, 0.5 barely learn.
     ninp, nhid, nlayers, dropout = 128, 256, 1, 0.0
     nindices = 3
-
-    # Initialize hidden state: zeros, where the tutorial draws it at random
+    # Zeros, where the tutorial draws the initial hidden state at random
     hidden = (torch.zeros(nlayers, nindices, nhid), torch.zeros(nlayers, nindices, nhid))
 
-    # Create distributed model
     model = RNNModel("ps", ntoken, ninp, nhid, nlayers, dropout)
 
-    # Setup distributed optimizer
     opt = DistributedOptimizer(optim.SGD, model.parameter_rrefs(), lr=0.05)
 
     criterion = torch.nn.CrossEntropyLoss()
 
     def get_next_batch():
-        # The tutorial's data is uninitialised memory, its target of another shape: nothing to
-        # learn. Here each of the nindices columns counts up by 1 modulo ntoken.
+        # Columns that count up: the tutorial's data is uninitialised memory, nothing to learn.
         for _ in range(5):
             start = torch.randint(0, ntoken, (nindices,))
             tokens = (start + torch.arange(batch + 1).unsqueeze(1)) % ntoken
@@ -168,25 +133,17 @@ def run_trainer(epochs=10):  # epochs: the tutorial's fixed 10
     for epoch in range(epochs):
         losses = []
         for data, target in get_next_batch():
-            # Create distributed autograd context
             with dist_autograd.context() as context_id:
-                # Detach the hidden state so backward stops at this batch
+                # the tutorial's detach_(), not in place
                 hidden = (hidden[0].detach(), hidden[1].detach())
                 output, hidden = model(data, hidden)
-                # As the (N, C) scores and (N,) classes that CrossEntropyLoss takes
-                loss = criterion(output.view(-1, ntoken), target.reshape(-1))
-                # Run distributed backward pass
+                loss = criterion(output.view(-1, ntoken), target.reshape(-1))  # (N, C), (N,)
                 dist_autograd.backward(context_id, [loss])
-                # Run distributed optimizer
-                opt.step(context_id)
-                # Not necessary to zero grads since they are
-                # accumulated into the distributed autograd context
-                # which is reset every iteration.
+                opt.step(context_id)  # no zero_grad: each context holds its own grads
             losses.append(loss.item())
-        # The tutorial prints only "Training epoch N": the loss shows that it learns.
         epoch_loss = sum(losses) / len(losses)
-        print(f"Training epoch {epoch} loss {epoch_loss:.4f}")
-    seconds = time.perf_counter() - start  # not in the tutorial: a line for people and scripts
+        print(f"Training epoch {epoch} loss {epoch_loss:.4f}")  # the loss, to see it learn
+    seconds = time.perf_counter() - start
     print(f"Summary: epochs={epochs} seconds={seconds:.2f} final_loss={epoch_loss:.4f}")
 
 
@@ -195,31 +152,24 @@ def worker_name(rank, world_size):
 
 
 def run_worker(rank, world_size, args):
-    r"""A wrapper function that initializes RPC, calls the function, and shuts down RPC."""
-    torch.manual_seed(args.seed + rank)  # the tutorial seeds nothing: --seed repeats a run
-    # The options replace the tutorial's MASTER_ADDR and MASTER_PORT. One RPC thread: the parameter
-    # server builds the two parts in the order asked, so that --seed repeats a run.
-    with deadline(rank, args):  # one init_rpc for both roles, where the tutorial has one in each
+    # One RPC thread: the parameter server builds the two parts in the order asked (same seed).
+    with deadline(rank, args):
         rpc.init_rpc(worker_name(rank, world_size), rank=rank, world_size=world_size,
                      rpc_backend_options=backend_options(args, num_worker_threads=1))
     if rank == 1:
         run_trainer(args.epochs)
-    # else: the parameter server waits for the trainer's requests
-    # Not in the tutorial, whose rpc.shutdown() alone waits forever for a dead peer.
-    wait_for_peers(rank, args)
+    # else: the parameter server does nothing
+    wait_for_peers(rank, args)  # rpc.shutdown() alone hangs on a dead peer
     rpc.shutdown(timeout=args.timeout)
 
 
 def parse_args(argv=None):  # the tutorial has no flags
     parser = argparse.ArgumentParser(
-        description="RPC-based distributed RNN (model parallel) training",
+        description="A distributed RNN, model parallel",
         epilog="Rank 0 is the parameter server, rank 1 the trainer.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
-    parser.add_argument("--epochs", type=int, default=10, help="Training epochs.")
-    args = parse_common(parser, argv, world_size=2)
-    if args.world_size != 2:
-        parser.error("--world_size must be 2: the parameter server and the trainer")
-    return args
+    parser.add_argument("--epochs", type=number(int, 1), default=10, help="Training epochs.")
+    return parse_common(parser, argv, world_size=2, least=2, most=2)
 
 
 # --------- Launching ranks (not in the tutorials) --------------------
@@ -236,8 +186,21 @@ def deadline(rank, args):
     timer = threading.Timer(5 * args.timeout, fail, (
         rank, args, f"not all {args.world_size} ranks met at port {args.master_port}"))
     timer.start()
+    # torch's own meeting fails unexplained on two world sizes
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's holds it
+    store = dist.TCPStore(args.master_addr, args.master_port, is_master=rank == 0 and not agent,
+                          timeout=datetime.timedelta(seconds=9 * args.timeout), multi_tenant=True)
+    store.add("came", 1)  # before rank 0 can read the size
+    store.set(str(rank), str(args.world_size))
+    for peer in range(args.world_size):
+        sizes = sorted({int(store.get(str(peer))), args.world_size})
+        if len(sizes) > 1:
+            store.add("told", 1)
+            while rank == 0 and store.add("told", 0) < store.add("came", 0):
+                time.sleep(0.1)  # the others read its store first
+            fail(rank, args, "ranks of --world_size {} and {} met".format(*sizes))
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "You are using a Backend")
+        warnings.filterwarnings("ignore", "You are using a Backend")  # torch's own use of it
         yield
     tell_peers(rank, args)  # a failed first connection aborts TensorPipe (moolib#34)
     timer.cancel()
@@ -270,9 +233,9 @@ def wait_for_peers(rank, args):
 
 def describe(exc, args):
     head, _, tail = str(exc).partition("\nTraceback")  # torch's report of an RPC's
-    if tail:
-        where = re.findall(r"id=(\d+), name=(.*?)\)", head)[-1]
-        return "rank {} ({}): {}".format(*where, re.search(r"\n(\S.*)", tail)[1])
+    where, cause = re.findall(r"id=(\d+), name=(.*?)\)", head), re.findall(r"^\S.*", tail, re.M)
+    if where and cause:
+        return "rank {} ({}): {}".format(*where[-1], cause[0])
     if isinstance(exc, socket.gaierror):
         return f"{args.master_addr}: {exc.strerror}"
     return f"{type(exc).__name__}: {head}".splitlines()[0]
@@ -295,9 +258,10 @@ def run_rank(rank, args):
             with socket.socket(type=socket.SOCK_DGRAM) as probe:
                 probe.connect((args.master_addr, 1))  # UDP: sends nothing
                 ours = probe.getsockname()[0]
-            addrs = psutil.net_if_addrs()
-            args.ifname = next(name for name in addrs if ours in [a.address for a in addrs[name]])
+            args.ifname = next(name for name, addrs in psutil.net_if_addrs().items()
+                               if ours in [a.address for a in addrs])
         os.environ["GLOO_SOCKET_IFNAME"] = os.environ["TP_SOCKET_IFNAME"] = args.ifname
+        torch.manual_seed(args.seed + rank)  # --seed repeats a run
         run_worker(rank, args.world_size, args)
     except Exception as exc:
         if "timeout" not in str(exc):  # a peer ended? name it
@@ -306,39 +270,55 @@ def run_rank(rank, args):
         fail(rank, args, traceback.format_exc() if args.debug else describe(exc, args))
 
 
-def parse_common(parser, argv, world_size):
+def number(kind, low, high=math.inf):  # argparse type naming its range
+    def parse(text):
+        if low <= kind(text) <= high:
+            return kind(text)
+        raise argparse.ArgumentTypeError(f"{text} is not in [{low}, {high}]")
+    parse.__name__ = kind.__name__  # for argparse's "invalid int value"
+    return parse
+
+
+def parse_common(parser, argv, world_size, least, most=math.inf):
     add, env = parser.add_argument, os.environ.get  # torchrun's
-    add("--world_size", "--world-size", type=int, default=env("WORLD_SIZE", world_size))
-    add("--rank", type=int, default=env("RANK"), help="Run only this rank.")
+    add("--world_size", "--world-size", type=number(int, least, most),
+        default=env("WORLD_SIZE", world_size), help="Processes in all, every role.")
+    add("--rank", type=int, default=env("RANK"), help="Run only this rank (None: all).")
     add("--master_addr", default=env("MASTER_ADDR", "localhost"), help="Address of rank 0.")
-    add("--master_port", type=int, default=env("MASTER_PORT", 29500),
-        help="Port of rank 0 (one command: a free one).")
-    add("--ifname")
-    add("--timeout", type=float, default=60, help="Seconds to wait for a peer, 5x to meet.")
-    add("--debug", action="store_true", help="Tracebacks, C++ log.")
-    add("--seed", type=int, default=1)
+    add("--master_port", type=number(int, 1, 65535), default=env("MASTER_PORT"),
+        help="Rank 0's port (None: 29500, or a free one for one command).")
+    add("--ifname", choices=list(psutil.net_if_addrs()), metavar="IFNAME",
+        help="Network interface (None: the one that reaches rank 0).")
+    add("--timeout", type=number(float, 1, 86400), default=60,
+        help="Seconds to wait for a peer, 5x to meet.")
+    add("--debug", action="store_true", help="Tracebacks and torch's log on a failure.")
+    add("--seed", type=number(int, 0, 2**32 - 1), default=1, help="Seeds all random draws.")
     args = parser.parse_args(argv)
     if args.rank is not None and not 0 <= args.rank < args.world_size:
-        parser.error(f"--rank must be in [0, {args.world_size})")
+        parser.error(f"--rank must be in [0, {args.world_size}) at --world_size {args.world_size}")
     return args
 
 
 def main():
     args = parse_args()
     if args.rank is not None:
-        print(f"Rank {args.rank} waits {5 * args.timeout:g} s for all", file=sys.stderr)
+        args.master_port = args.master_port or 29500
+        print(f"Rank {args.rank} waits {5 * args.timeout:g} s for all {args.world_size} ranks at "
+              f"{args.master_addr}:{args.master_port}", file=sys.stderr)
         return run_rank(args.rank, args)
-    if args.master_port == 29500:  # held: no other program takes it
+    if not args.master_port:  # a free one, bound till we exit: rank 0 binds it too (REUSEADDR)
         held = socket.socket()
         held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         held.bind(("", 0))
         args.master_port = held.getsockname()[1]
     print(f"Starting {args.world_size} ranks on port {args.master_port}", flush=True)
     try:
-        resource_tracker.ensure_running()  # unblocks Ctrl-C (CPython bpo-33613)
+        resource_tracker.ensure_running()  # now: its start unblocks SIGINT (CPython bpo-33613)
         signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])  # the ranks inherit it
         ranks = mp.start_processes(run_rank, (args,), args.world_size, join=False)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])  # raises one that came
+        logging.getLogger("torch.multiprocessing.spawn").addFilter(  # our line says it
+            lambda record: "Terminating" not in record.msg)
         while not ranks.join(grace_period=2):
             pass
     except (mp.ProcessExitedException, KeyboardInterrupt) as exc:

@@ -41,6 +41,7 @@ RNN_EPOCHS = 10  # the default: the smoke run is the README's command as written
 DDP_EPOCHS = 4
 SLOW = 40  # seconds that the slow agent's fifth select_action takes; its observer's --timeout is half that
 VANISH_TIMEOUT = 10  # --timeout of the runs whose machine vanishes
+SIZES_TIMEOUT = 30  # --timeout of the ranks of two world sizes: room to arrive on a loaded machine, not a bound
 
 TIMING_FIGURES = {"seconds", "ms_per_batch", "us_per_step"}  # Summary figures that vary from run to run
 HANG = 600  # a test's own limit on a run: only keeps a hang from running forever
@@ -326,8 +327,15 @@ def watch_listening(run, netns, runs):
 # One terminal per rank across two hosts, rank 0 on host A and the others on B, until A's link goes down:
 # (script, world size, flags, the rank that shows training under way, its line). The DDP example has every kind
 # of rank: its trainers sit in RPCs and collectives, its master calls them and checks on its peers, its
-# parameter server only waits.
+# parameter server only waits. Rank 0 is a copy of the script whose host says that it has two GPUs, as
+# gpu_host() makes it, and rank 1's has none: the trainers must agree on the CPU.
 VANISHING = [("ddp_rpc_hybrid.py", 4, ["--epochs", 100000], 1, "Training done for epoch 1 ")]
+
+
+def gpu_host(folder):
+    """A copy of ddp_rpc_hybrid.py for a host that says it has two GPUs (it has none: a trainer that believes
+    it and puts its replica on cuda:0 fails)."""
+    return changed_copy(folder, "ddp_rpc_hybrid.py", "torch.cuda.device_count() > device", "2 > device")
 
 
 def torchrun(addr, endpoint, nproc):
@@ -344,19 +352,22 @@ def shared_runs(tmp_path_factory, tiny_mnist):
     """The runs that tests read, but for the failure cases that time how fast a run ends, started together so
     that they share the cores, and all ended before any test reads them, so that their load never overlaps a later
     test's. A dict by name:
-    - "rnn", "ps", "rl", "ddp 3", "ddp 4": each script's one-command launch, as a user types it (the RNN's is the
-      README's command as written); the parameter server and CartPole at world size 2, DDP at 3 and at 4. The
-      parameter server's trainers load MNIST with two DataLoader workers, as a learner may change it;
+    - "rnn", "ps", "rl", "ddp 3", "ddp 4": each script's one-command launch, as a user types it (the RNN's and
+      the parameter server's are the README's commands as written, the latter with tiny MNIST as its DIR); the
+      parameter server at world size 3, CartPole at 2, DDP at 3 and at 4;
+    - "ps workers": the parameter server at world size 2 in one command, its trainers loading MNIST with two
+      DataLoader workers, as a learner may change it;
     - "rnn ranks", "ps ranks", "rl ranks": one terminal per rank, a list of ranks: one rank drives the training
-      alone, so each must print its one-command twin's numbers, for as long as it runs (the parameter server
-      one epoch, CartPole 10 episodes). The RNN's ranks are started as a person starts them, with the README's
-      flags: rank 1 two seconds after rank 0 says that it waits, at this host's own non-loopback address where
-      it has one;
+      alone, so each must print its one-command twin's numbers ("ps workers" for the parameter server), for as
+      long as it runs (the parameter server one epoch, CartPole 10 episodes). The RNN's ranks are started as a
+      person starts them, with the README's flags: rank 1 two seconds after rank 0 says that it waits, at this
+      host's own non-loopback address where it has one;
     - "rl slow": [agent, observer] of slow_agent(), the observer, whose --timeout is SLOW / 2, started once the
       agent says it waits;
     - "scripts": the RNN's rank 0 and CartPole's rank 1 on one port; "sizes": CartPole's rank 0 at --world_size 2
-      and its rank 1 at 3 on one port, --timeout 2, rank 1 started once rank 0 says that it waits, as a person
-      starts them (had rank 1 come 8 s early, rank 0 would meet it as its wait ran out: "Connection reset");
+      and its rank 1 at 3 on one port; "ps sizes": the parameter server's ranks 0 and 2 at --world_size 3, and
+      rank 1 where the person forgot the flag (the default, 4); each rank but 0 started once rank 0 says that it
+      waits, as a person starts them;
     - "copy": tests/learner.py, the parameter server's tutorial part copied into a program of a learner's own,
       without the plumbing, with two trainers and the upstream example's launcher;
     - "hosts": where network namespaces can be made, else the reason why not (a str); then the RNN's one command
@@ -389,7 +400,7 @@ def shared_runs(tmp_path_factory, tiny_mnist):
     ps_flags = ["--data_dir", tiny_mnist, f"--epochs={PS_EPOCHS}"]
     rnn_at = ["--master_addr", (own_address() or (None, "localhost"))[1], "--master_port", free_port()]
     slow, slow_port = slow_agent(tmp_path_factory.mktemp("slow")), ["--master_port", free_port(), "--max_episodes=3"]
-    scripts_port, sizes = free_port(), ["--master_port", free_port()]
+    scripts_port, sizes, ps_sizes = free_port(), ["--master_port", free_port()], ["--master_port", free_port()]
     with two_hosts() as pair, two_hosts() as torchrun_pair:
         if not isinstance(pair, str):
             host_resolves_hostname_to(pair[0][1], pair[1][1])
@@ -397,8 +408,10 @@ def shared_runs(tmp_path_factory, tiny_mnist):
             "rnn": start("rpc_rnn_model_parallel.py", netns=None if isinstance(pair, str) else pair[0][1]),
             "rnn ranks": [start("rpc_rnn_model_parallel.py", "--rank=0", *rnn_at, timeout=None)],
             "rl slow": [start(slow, "--rank=0", *slow_port, timeout=60)],
-            "ps": start(changed_copy(tmp_path_factory.mktemp("workers"), "rpc_parameter_server.py",
-                                     "shuffle=True,", "shuffle=True, num_workers=2,"), "--world_size=2", *ps_flags),
+            "ps": start("rpc_parameter_server.py", "--world_size=3", f"--data_dir={tiny_mnist}"),
+            "ps workers": start(changed_copy(tmp_path_factory.mktemp("workers"), "rpc_parameter_server.py",
+                                             "shuffle=True)\n    test_loader", "shuffle=True, num_workers=2)\n"
+                                             "    test_loader"), "--world_size=2", *ps_flags),
             "ps ranks": ranks("rpc_parameter_server.py", 2, "--data_dir", tiny_mnist),
             "rl": start("rpc_rl_cartpole.py", "--world_size=2", f"--max_episodes={RL_EPISODES}", "--log_interval=1"),
             "rl ranks": ranks("rpc_rl_cartpole.py", 2, "--max_episodes=10", "--log_interval=1"),
@@ -408,7 +421,9 @@ def shared_runs(tmp_path_factory, tiny_mnist):
             "scripts": [start("rpc_rnn_model_parallel.py", "--rank=0", "--master_port", scripts_port),
                         start("rpc_rl_cartpole.py", "--rank=1", "--master_port", scripts_port)],
             "copy": start(ROOT / "tests" / "learner.py", free_port(), tiny_mnist, timeout=None),
-            "sizes": [start("rpc_rl_cartpole.py", "--rank=0", "--world_size=2", *sizes, timeout=2)],
+            "sizes": [start("rpc_rl_cartpole.py", "--rank=0", "--world_size=2", *sizes, timeout=SIZES_TIMEOUT)],
+            "ps sizes": [start("rpc_parameter_server.py", "--rank=0", "--world_size=3", *ps_sizes,
+                               timeout=SIZES_TIMEOUT)],
             "hosts": pair,
         }
         vanished = []
@@ -419,8 +434,9 @@ def shared_runs(tmp_path_factory, tiny_mnist):
             for script, world_size, flags, _, _ in VANISHING:
                 common = [f"--world_size={world_size}", "--master_addr", addr_a, "--master_port", free_port(), *flags]
                 runs.setdefault("vanished", {})[script] = [
-                    start(script, *common, f"--rank={rank}", timeout=VANISH_TIMEOUT, netns=host_b if rank else host_a,
-                          env={"OMP_NUM_THREADS": "1"}) for rank in range(world_size)]
+                    start(script if rank else gpu_host(tmp_path_factory.mktemp("gpus")), *common, f"--rank={rank}",
+                          timeout=VANISH_TIMEOUT, netns=host_b if rank else host_a, env={"OMP_NUM_THREADS": "1"})
+                    for rank in range(world_size)]
                 vanished += runs["vanished"][script]
         if not isinstance(torchrun_pair, str):
             hosts, addrs = torchrun_pair
@@ -428,9 +444,12 @@ def shared_runs(tmp_path_factory, tiny_mnist):
             runs.update({"torchrun addrs": addrs, "torchrun": [
                 start("rpc_rnn_model_parallel.py", "--epochs=2", netns=host,
                       python_args=torchrun(addr, endpoint, 1)) for host, addr in zip(hosts, addrs)]})
-        try:  # the ranks of "sizes" wait 5 * 2 s to meet: theirs first
+        try:
             runs["sizes"].append(once_waiting(runs["sizes"][0], "rpc_rl_cartpole.py", "--rank=1", "--world_size=3",
-                                              *sizes, timeout=2))
+                                              *sizes, timeout=SIZES_TIMEOUT))
+            for rank, flags in ((1, []), (2, ["--world_size=3"])):  # rank 1's terminal forgot --world_size
+                runs["ps sizes"].append(once_waiting(runs["ps sizes"][0], "rpc_parameter_server.py", f"--rank={rank}",
+                                                     *flags, *ps_sizes, timeout=SIZES_TIMEOUT))
             runs["rl slow"].append(once_waiting(runs["rl slow"][0], slow, "--rank=1", *slow_port, timeout=SLOW / 2))
             runs["rnn ranks"].append(once_waiting(runs["rnn ranks"][0], "rpc_rnn_model_parallel.py", "--rank=1",
                                                   *rnn_at, late=2, timeout=None))

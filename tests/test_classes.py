@@ -105,11 +105,14 @@ def check_rnn_parts_take_the_tutorials_calls_and_train():
     assert all(r.local_value() is p for r, p in zip(rrefs, expected))
     opt = rnn.DistributedOptimizer(torch.optim.SGD, rrefs, lr=0.05)
     hidden = (torch.zeros(nlayers, nindices, nhid), torch.zeros(nlayers, nindices, nhid))
+    before = [p.detach().clone() for p in expected]
     with dist_autograd.context() as context_id:
         output, hidden = model(torch.randint(0, ntoken, (batch, nindices)), hidden)
         loss = torch.nn.CrossEntropyLoss()(output.view(-1, ntoken), torch.randint(0, ntoken, (batch * nindices,)))
         dist_autograd.backward(context_id, [loss])
         opt.step(context_id)
+    # One step of training moved every part: the remote table and decoder, and the local LSTM.
+    assert all(not torch.equal(old, new) for old, new in zip(before, expected))
 
 
 def check_hybrid_model_takes_a_rank_a_string_or_a_device():

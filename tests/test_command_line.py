@@ -1,4 +1,5 @@
-"""Bad arguments: exit 2, argparse's usage and one line naming the problem; --help."""
+"""Bad arguments: exit 2 before anything starts, argparse's usage and one line naming the flag and its
+range; --help explains every flag with its default."""
 import importlib
 import re
 
@@ -8,18 +9,32 @@ from conftest import SCRIPTS
 
 CASES = [
     # the common flags, in every script
-    *[(module, argv, problem) for module in SCRIPTS for argv, problem in [
-        (["--world-size=3", "--rank=3"], "--rank must be in [0, 3)"),  # the spelling of other tools too
-        (["--world_size=2", "--rank=-1"], "--rank must be in [0, 2)"),
+    *[(module, argv, problem) for module in SCRIPTS for size in [2 if "rnn" in module else 5] for argv, problem in [
+        ([f"--world-size={size}", f"--rank={size}"], f"--rank must be in [0, {size}) at --world_size {size}"),
+        ([f"--world_size={size}", "--rank=-1"], f"--rank must be in [0, {size}) at --world_size {size}"),
         (["--timeout=soon"], "argument --timeout: invalid float value: 'soon'"),
+        (["--timeout=0"], "argument --timeout: 0 is not in [1, 86400]"),  # torch's 0 would mean no limit
+        (["--timeout=-5"], "argument --timeout: -5 is not in [1, 86400]"),
+        (["--master_port=70000"], "argument --master_port: 70000 is not in [1, 65535]"),
+        (["--master_port=-1"], "argument --master_port: -1 is not in [1, 65535]"),
+        (["--seed=-1"], "argument --seed: -1 is not in [0, 4294967295]"),
+        (["--ifname=nosuchif0"], "argument --ifname: invalid choice: 'nosuchif0'"),
         (["--epoch=1"], "unrecognized arguments: --epoch=1"),  # no prefix matching
     ]],
-    # world sizes too small for the roles, and the parameter server's GPUs
-    ("rpc_rnn_model_parallel", ["--world_size=3"], "--world_size must be 2: the parameter server and the trainer"),
-    ("rpc_parameter_server", ["--world_size=1"], "--world_size must be at least 2: a parameter server and a trainer"),
-    ("rpc_rl_cartpole", ["--world_size=1"], "--world_size must be at least 2: an agent and an observer"),
-    ("ddp_rpc_hybrid", ["--world_size=2"], "--world_size must be at least 3: a trainer, the master and the server"),
-    ("rpc_parameter_server", ["--num_gpus=3"], "--num_gpus must be between 0 and 2, got 3"),
+    # world sizes too small (or large) for the roles, and each script's own flags
+    ("rpc_rnn_model_parallel", ["--world_size=3"], "argument --world_size/--world-size: 3 is not in [2, 2]"),
+    ("rpc_parameter_server", ["--world_size=1"], "argument --world_size/--world-size: 1 is not in [2, inf]"),
+    ("rpc_rl_cartpole", ["--world_size=1"], "argument --world_size/--world-size: 1 is not in [2, inf]"),
+    ("ddp_rpc_hybrid", ["--world_size=2"], "argument --world_size/--world-size: 2 is not in [3, inf]"),
+    ("rpc_parameter_server", ["--num_gpus=3"], "argument --num_gpus: 3 is not in [0, 2]"),
+    ("rpc_parameter_server", ["--num_gpus=-1"], "argument --num_gpus: -1 is not in [0, 2]"),
+    ("rpc_parameter_server", ["--epochs=0"], "argument --epochs: 0 is not in [1, inf]"),
+    ("rpc_rnn_model_parallel", ["--epochs=0"], "argument --epochs: 0 is not in [1, inf]"),
+    ("rpc_rnn_model_parallel", ["--epochs=-1"], "argument --epochs: -1 is not in [1, inf]"),
+    ("ddp_rpc_hybrid", ["--epochs=0"], "argument --epochs: 0 is not in [1, inf]"),
+    ("rpc_rl_cartpole", ["--log_interval=0"], "argument --log_interval: 0 is not in [1, inf]"),
+    ("rpc_rl_cartpole", ["--max_episodes=-3"], "argument --max_episodes: -3 is not in [0, inf]"),
+    ("rpc_rl_cartpole", ["--gamma=1.5"], "argument --gamma: 1.5 is not in [0, 1]"),
 ]
 
 
@@ -36,16 +51,25 @@ def test_bad_arguments_exit_2(module, argv, problem, capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("usage: "), err
-    assert err.strip().splitlines()[-1].endswith(f": error: {problem}"), err
+    assert err.strip().splitlines()[-1].split(": error: ")[1].startswith(problem), err
+
+
+def test_a_bad_value_stops_the_command_before_anything_starts(run):
+    # The whole command as a user types it: refused by argparse, no rank started, no traceback.
+    proc = run("rpc_rnn_model_parallel.py", "--epochs=0").wait()
+    assert proc.returncode == 2 and proc.out == "", proc  # no "Starting" line
+    assert proc.err.startswith("usage: ") and "Traceback" not in proc.err, proc
+    assert proc.err.strip().splitlines()[-1].endswith("error: argument --epochs: 0 is not in [1, inf]"), proc
 
 
 @pytest.mark.parametrize("module", SCRIPTS)
-def test_help_shows_each_default_once_and_truly(module, capsys):
+def test_help_explains_every_flag_with_its_default(module, capsys):
     with pytest.raises(SystemExit):
         importlib.import_module(module).parse_args(["--help"])
     out = capsys.readouterr().out
-    entries = [" ".join(entry.split()) for entry in re.split(r"\n(?=  -)", out)]  # one per flag
-    for entry in entries:
-        assert entry.count("(default:") <= 1, entry
-    assert "--timeout TIMEOUT Seconds to wait for a peer, 5x to meet. (default: 60)" in entries
-    assert "--master_port MASTER_PORT Port of rank 0 (one command: a free one). (default: 29500)" in entries
+    options = out.split("options:\n")[1].split("\n\n")[0]
+    entries = [" ".join(entry.split()) for entry in re.split(r"\n(?=  -)", options)][1:]  # but -h
+    for entry in entries:  # the flag, its metavar, a help text, then the default once
+        assert re.fullmatch(r"(-[-\w]+( [A-Z_]+)?,? ?)+ [A-Z(][^()]*(\(.*\))?[^()]*\. \(default: [^()]*\)", entry), entry
+    assert "--master_port MASTER_PORT Rank 0's port (None: 29500, or a free one for one command). " \
+           "(default: None)" in entries, entries

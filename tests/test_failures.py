@@ -72,13 +72,14 @@ def act_when_ready(*cases):
 def failure_runs(tmp_path_factory):
     """The failure cases, started side by side, all ended before any test reads them: a dict by case of runs, or
     of a run's ranks. One terminal per rank (--rank): a listener that never answers on the port, the port in use,
-    an address that does not resolve, a GPU that is not there, an exception inside an RPC, an observer killed.
-    One command, each run with .stopped (when the test acted, or the trainer raised) and .gone (seconds from then
-    until no process of the run was left): the cases of STOPS."""
+    an address that does not resolve, an exception inside an RPC, an observer killed. One command: a GPU that is
+    not there, MNIST that cannot be downloaded (in a folder of its own), and the cases of STOPS, each run with
+    .stopped (when the test acted, or the trainer raised) and .gone (seconds from then until no process of the
+    run was left)."""
     folder, started = tmp_path_factory.mktemp("failures"), []
 
-    def run(script, *args, env=None):
-        started.append(Run(script, args, cwd=folder, env=env))
+    def run(script, *args, env=None, cwd=folder):
+        started.append(Run(script, args, cwd=cwd, env=env))
         return started[-1]
 
     holder = socket.socket()  # a plain program that listens on a port and never answers
@@ -95,6 +96,7 @@ def failure_runs(tmp_path_factory):
                            line + '        if rank == 0 and epoch == 1:\n            raise ValueError("trainer bug")\n')
     common = ["--master_port", free_port(), "--timeout", TIMEOUT]
     gpus = torch.cuda.device_count() + 1  # one GPU more than this host has
+    no_network = {name: f"http://127.0.0.1:{free_port()}" for name in ("http_proxy", "https_proxy")}  # refused
     cartpole = ["rpc_rl_cartpole.py", "--world_size=3", "--master_port", free_port(), "--timeout", TIMEOUT,
                 "--max_episodes", 100000, "--log_interval", 1]
     stopping = ["rpc_rnn_model_parallel.py", "--epochs", 100000, "--timeout", TIMEOUT]
@@ -108,8 +110,11 @@ def failure_runs(tmp_path_factory):
         "a port in use": run("rpc_rnn_model_parallel.py", "--rank=0", "--master_port", taken, "--timeout", TIMEOUT),
         "an address that does not resolve": run("rpc_rnn_model_parallel.py", "--rank=1", "--master_addr",
                                                 "nosuch.host.invalid", "--master_port", free_port()),
-        "a GPU that is not there": gpus <= 2 and run("rpc_parameter_server.py", "--rank=0", "--world_size=2",
+        "a GPU that is not there": gpus <= 2 and run("rpc_parameter_server.py", "--world_size=2",
                                                      f"--num_gpus={gpus}", "--master_port", free_port()),
+        "MNIST that cannot be downloaded": run("rpc_parameter_server.py", "--world_size=2", "--master_port",
+                                               free_port(), "--timeout", TIMEOUT, env=no_network,
+                                               cwd=tmp_path_factory.mktemp("no_mnist")),
         "an exception inside an RPC": [run(buggy, *common, f"--rank={rank}") for rank in (0, 1)],
         # one intra-op thread each: these runs share two cores and only need to be under way
         "an observer killed": [run(*cartpole, f"--rank={rank}", env={"OMP_NUM_THREADS": "1"}) for rank in range(3)],
@@ -166,14 +171,29 @@ def test_an_address_that_does_not_resolve(failure_runs):
 
 
 def test_a_gpu_that_is_not_there(failure_runs):
-    # The parameter server alone knows its GPUs: it says so at once, not after waiting for trainers.
+    # The parameter server alone knows its GPUs: it says so at once, not after waiting for its trainer. Its line
+    # and the launcher's, on the port given, are all that the user reads: the trainer, still waiting to meet,
+    # is stopped without a line of torch's logger.
     proc = failure_runs["a GPU that is not there"]
     if proc is False:
         pytest.skip("this host has 2 GPUs or more: --num_gpus allows at most 2")
     gpus = torch.cuda.device_count()
     assert_one_line(proc, f"Error on rank 0 (parameter_server): ValueError: --num_gpus {gpus + 1} is more GPUs "
                           f"than the parameter server has ({gpus})")
-    assert proc.seconds < LONE_BOUND, proc
+    assert proc.err.strip().splitlines()[1:] == ["process 0 terminated with exit code 1: stopped every rank."], proc
+    port = proc.proc.args[proc.proc.args.index("--master_port") + 1]
+    assert proc.out.startswith(f"Starting 2 ranks on port {port}\n") and proc.seconds < LONE_BOUND, proc
+
+
+def test_mnist_that_cannot_be_downloaded(failure_runs):
+    # No network (a proxy that refuses): the trainer says why and what to do, and leaves no folder behind.
+    proc = failure_runs["MNIST that cannot be downloaded"]
+    lines = error_lines(proc)
+    assert lines[0] == ("Error on rank 1 (trainer_1): RuntimeError: cannot download MNIST into ./data (<urlopen "
+                        "error [Errno 111] Connection refused>); give --data_dir a folder that holds MNIST/raw/"), proc
+    # The parameter server loses its trainer, or is stopped first by the launcher.
+    assert lines[1:] in ([], ["Error on rank 0 (parameter_server): lost contact with rank 1 (trainer_1)"]), proc
+    assert proc.returncode == 1 and list(proc.cwd.iterdir()) == [], proc
 
 
 def test_an_exception_inside_an_rpc_names_its_rank_and_cause(failure_runs):

@@ -23,7 +23,7 @@ def test_parameter_server_puts_the_model_on_one_gpu(run, tiny_mnist):
 
 
 @needs_gpus(1)
-def test_rnn_trains_with_its_embedding_table_on_a_gpu(run):
+def test_rnn_trains_where_the_host_has_a_gpu(run):
     # The table lives on cuda; what it returns crosses RPC on the CPU.
     assert_succeeded(run("rpc_rnn_model_parallel.py").wait())
 
@@ -37,8 +37,9 @@ def test_ddp_two_trainers_on_two_gpus_stay_in_sync(run):
 
 
 @needs_gpus(1)
-def test_ddp_two_trainers_and_one_gpu_train_in_sync_on_the_cpu(run):
-    # One GPU shown for two trainers: DDP needs one device type, so both train on the CPU.
+def test_ddp_two_trainers_and_one_gpu_train_in_sync(run):
+    # One GPU shown for two trainers: trainer 1 has no cuda:1, so both agree on the CPU (DDP needs one device
+    # type in all replicas).
     proc = run("ddp_rpc_hybrid.py", f"--epochs={DDP_EPOCHS}", env={"CUDA_VISIBLE_DEVICES": "0"}).wait()
     assert_succeeded(proc)
     assert summary(proc.out)["fc_in_sync"] == "true", proc

@@ -1,7 +1,6 @@
-"""rpc_parameter_server.py on tiny MNIST: one command with one trainer, and one terminal per rank (two trainers:
-tests/learner.py)."""
+"""rpc_parameter_server.py on tiny MNIST: the README's command (two trainers), a learner's DataLoader workers
+in one command, one terminal per rank (a copied ParameterServer with two trainers: tests/learner.py)."""
 import re
-from pathlib import Path
 
 from conftest import MNIST_TRAIN, PS_EPOCHS, assert_succeeded, summary
 
@@ -13,36 +12,32 @@ def loss_lines(out, rank):
     return re.findall(rf"^Rank {rank} training batch (\d+) loss (\d+\.\d{{4}})$", out, re.M)
 
 
-def test_one_command_learns(shared_runs):
-    # World size 2: the parameter server and one trainer, both started by torch.multiprocessing.
+def test_the_readmes_command_learns_with_two_trainers(shared_runs):
+    # World size 3: the parameter server and two trainers, all started by torch.multiprocessing, one epoch.
     proc = shared_runs["ps"]
     assert_succeeded(proc)
-    lines = loss_lines(proc.out, 1)
-    # A line every 5 batches of every epoch, as the tutorial's.
-    assert [int(batch) for batch, _ in lines] == list(range(0, BATCHES, 5)) * PS_EPOCHS, proc.out
     for line in ("PS master initializing RPC", "RPC initialized! Running parameter server...",
-                 "Worker rank 1 initializing RPC", "Training complete!", "Getting accuracy....",
-                 "RPC shutdown on parameter server."):
+                 "Worker rank 1 initializing RPC", "Worker rank 2 initializing RPC", "Training complete!",
+                 "Getting accuracy....", "RPC shutdown on parameter server."):
         assert line in proc.out.splitlines(), proc.out
-    figures = summary(proc.out)
-    assert figures["rank"] == "1" and figures["batches"] == str(PS_EPOCHS * BATCHES), proc.out
-    assert f"Accuracy {figures['accuracy']}" in proc.out.splitlines(), proc.out
-    losses = [float(loss) for _, loss in lines]
-    assert losses[-1] < losses[0] / 2 and float(figures["accuracy"]) >= 0.5, f"it should learn: {proc.out}"
+    for rank in (1, 2):
+        # A line every 5 batches, as the tutorial's.
+        assert [int(batch) for batch, _ in loss_lines(proc.out, rank)] == list(range(0, BATCHES, 5)), proc.out
+        figures = summary("\n".join(line for line in proc.out.splitlines() if f"rank={rank} " in line))
+        assert figures["batches"] == str(BATCHES) and f"Accuracy {figures['accuracy']}" in proc.out, proc.out
+        assert float(figures["accuracy"]) >= 0.5, f"it should learn: {proc.out}"
+    # The first loss printed comes before any step, the last after both trainers' steps, in whatever order.
+    losses = [float(loss) for loss in re.findall(r"^Rank \d training batch \d+ loss (\S+)$", proc.out, re.M)]
+    assert losses[-1] < losses[0] / 2, f"it should learn: {proc.out}"
 
 
-def test_one_trainer_same_seed_same_numbers(shared_runs):
-    # One trainer drives the parameter server alone: one terminal per rank prints the one-command run's numbers
-    # (for the one epoch that it trains), whether the trainer's loader has workers or not.
-    (server, trainer), one_command = shared_runs["ps ranks"], shared_runs["ps"]
-    assert_succeeded(server, trainer)
+def test_one_trainer_same_seed_same_numbers_with_dataloader_workers(shared_runs):
+    # One trainer drives the parameter server alone, so one terminal per rank prints the numbers of the one
+    # command whose trainer loads MNIST with two DataLoader workers, as a learner may change it (for the one
+    # epoch that it trains): the workers start in a rank of the one-command run, and change nothing.
+    (server, trainer), workers = shared_runs["ps ranks"], shared_runs["ps workers"]
+    assert_succeeded(server, trainer, workers)
     assert "Summary:" not in server.out, server  # the trainer's terminal shows the training
+    assert summary(workers.out)["batches"] == str(PS_EPOCHS * BATCHES), workers.out
     epoch = loss_lines(trainer.out, 1)
-    assert epoch and epoch == loss_lines(one_command.out, 1)[:len(epoch)], (trainer, one_command)
-
-
-def test_a_data_loader_with_workers_in_a_one_command_rank(shared_runs):
-    # A learner's change: the trainers load MNIST with two worker processes. Each rank of a one-command run may
-    # start processes of its own.
-    assert_succeeded(shared_runs["ps"])
-    assert "num_workers=2" in Path(shared_runs["ps"].proc.args[1]).read_text()
+    assert epoch and epoch == loss_lines(workers.out, 1)[:len(epoch)], (trainer, workers)

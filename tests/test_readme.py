@@ -6,7 +6,7 @@ import shlex
 
 import pytest
 
-from conftest import ROOT, SCRIPT_FILES, summary
+from conftest import ROOT, SCRIPT_FILES
 
 README = (ROOT / "README.md").read_text()
 BLOCKS = re.findall(r"^```(\w*)\n(.*?)^```$", README, re.M | re.S)
@@ -37,13 +37,17 @@ def test_each_scripts_flags_parse(script, argv, monkeypatch):
 
 
 def test_the_rnn_sample_output_is_what_the_script_prints(shared_runs):
-    # The README's RNN command is the smoke run's: its sample lines (but for the time it took) must be true.
+    # The README's RNN command is the smoke run's: its sample lines must be what it prints, to 0.01 in each loss
+    # (another CPU may round the last digits otherwise), but for the time it took.
     sample = next(block for kind, block in BLOCKS if not kind and "Training epoch 0 loss" in block)
-    printed = shared_runs["rnn"].out.splitlines()
-    for line in sample.splitlines():
-        if line == "...":
-            continue
-        if line.startswith("Summary:"):
-            assert summary(line, timings=False) == summary("\n".join(printed), timings=False)
-        else:
-            assert line in printed, line
+    printed = [line for line in shared_runs["rnn"].out.splitlines() if line.startswith(("Training", "Summary"))]
+    shown = [line for line in sample.splitlines() if line != "..."]
+    assert len(shown) > 2 and all(any(close(line, out) for out in printed) for line in shown), (shown, printed)
+
+
+def close(shown, printed):
+    """The same line but for timings, with each other number within 0.01."""
+    shown, printed = (re.sub(r"seconds=\S+", "", line) for line in (shown, printed))
+    numbers = [re.findall(r"\d+\.\d+|\d+", line) for line in (shown, printed)]
+    return (re.sub(r"\d+\.\d+|\d+", "#", shown) == re.sub(r"\d+\.\d+|\d+", "#", printed)
+            and all(abs(float(a) - float(b)) <= 0.01 for a, b in zip(*numbers)))
