@@ -1,0 +1,389 @@
+"""The tutorial "Implementing Batch RPC Processing Using Asynchronous Executions", part 2
+(https://pytorch.org/tutorials/intermediate/rpc_async_execution.html): observers (ranks 1 to N-1)
+play CartPole-v1; the agent (rank 0) picks their actions in batches.
+
+    python rpc_batch_cartpole.py --world_size=5 [--no-batch]  # every rank, here
+    python rpc_batch_cartpole.py --rank=0  # or one terminal per rank
+    python rpc_batch_cartpole.py --rank=1
+    torchrun --nproc_per_node=2 rpc_batch_cartpole.py
+"""
+import argparse
+import contextlib
+import datetime
+import logging
+import math
+import os
+import re
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+import warnings
+from multiprocessing import resource_tracker
+
+if __name__ == "__main__":  # before torch starts threads that would inherit it
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
+    if "--debug" not in sys.argv:
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # no C++ log lines
+
+import gymnasium as gym  # the tutorial's gym is no longer maintained
+import psutil
+import torch
+import torch.distributed as dist
+import torch.distributed.rpc as rpc
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.optim as optim
+from torch.distributed.rpc import RRef, remote
+from torch.distributions import Categorical
+
+NUM_STEPS = 500
+AGENT_NAME = "agent"
+OBSERVER_NAME = "observer{}"
+
+
+class Policy(nn.Module):
+    def __init__(self, batch=True):
+        super().__init__()
+        self.affine1 = nn.Linear(4, 128)
+        self.dropout = nn.Dropout(p=0.6)
+        self.affine2 = nn.Linear(128, 2)
+        self.dim = 2 if batch else 1
+
+    def forward(self, x):
+        x = self.affine1(x)
+        x = self.dropout(x)
+        x = F.relu(x)
+        action_scores = self.affine2(x)
+        return F.softmax(action_scores, dim=self.dim)
+
+
+class Observer:
+    def __init__(self, batch=True, gamma=1.0, seed=543):  # the tutorial's global args
+        self.id = rpc.get_worker_info().id - 1
+        self.env = gym.make("CartPole-v1")
+        # + id: the tutorial's env.seed(args.seed) gives all observers the same games.
+        self.env.reset(seed=seed + self.id)
+        self.gamma = gamma
+        self.select_action = Agent.select_action_batch if batch else Agent.select_action
+
+    def run_episode(self, agent_rref, n_steps):
+        # gymnasium: reset returns (state, info), step five values
+        (state, _), ep_reward = self.env.reset(), NUM_STEPS
+        rewards = torch.zeros(n_steps)
+        start_step = 0
+        for step in range(n_steps):
+            state = torch.from_numpy(state).float().unsqueeze(0)
+            # send the state to the agent to get an action
+            action = rpc.rpc_sync(agent_rref.owner(), self.select_action,
+                                  args=(agent_rref, self.id, state))
+
+            # apply the action to the environment, and get the reward
+            state, reward, terminated, truncated, _ = self.env.step(action)
+            rewards[step] = reward
+
+            if terminated or truncated or step + 1 >= n_steps:
+                curr_rewards = rewards[start_step:(step + 1)]
+                R = 0
+                for i in range(curr_rewards.numel() - 1, -1, -1):
+                    R = curr_rewards[i] + self.gamma * R
+                    curr_rewards[i] = R
+                state, _ = self.env.reset()
+                if start_step == 0:
+                    ep_reward = min(ep_reward, step - start_step + 1)
+                start_step = step + 1
+
+        return [rewards, ep_reward]
+
+
+class Agent:
+    def __init__(self, world_size, batch=True, gamma=1.0, seed=543):
+        self.ob_rrefs = []
+        self.agent_rref = RRef(self)
+        self.rewards = {}
+        # The tutorial's .cuda() needs a GPU.
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.policy = Policy(batch).to(self.device)
+        self.optimizer = optim.Adam(self.policy.parameters(), lr=1e-2)
+        self.running_reward = 0
+
+        for ob_rank in range(1, world_size):
+            ob_info = rpc.get_worker_info(OBSERVER_NAME.format(ob_rank))
+            self.ob_rrefs.append(remote(ob_info, Observer, args=(batch, gamma, seed)))
+            self.rewards[ob_info.id] = []
+
+        self.states = torch.zeros(len(self.ob_rrefs), 1, 4)
+        self.batch = batch
+        self.saved_log_probs = [] if self.batch else {k: [] for k in range(len(self.ob_rrefs))}
+        self.future_actions = torch.futures.Future()
+        self.lock = threading.Lock()
+        self.pending_states = len(self.ob_rrefs)
+
+    @staticmethod
+    @rpc.functions.async_execution
+    def select_action_batch(agent_rref, ob_id, state):
+        self = agent_rref.local_value()
+        self.states[ob_id].copy_(state)
+        future_action = self.future_actions.then(
+            lambda future_actions: future_actions.wait()[ob_id].item()
+        )
+
+        with self.lock:
+            self.pending_states -= 1
+            if self.pending_states == 0:
+                self.pending_states = len(self.ob_rrefs)
+                # A copy (.cuda() made one): the next copy_ would change the input autograd saved
+                probs = self.policy(self.states.to(self.device, copy=True))
+                m = Categorical(probs)
+                actions = m.sample()
+                self.saved_log_probs.append(m.log_prob(actions).t()[0])
+                future_actions = self.future_actions
+                self.future_actions = torch.futures.Future()
+                future_actions.set_result(actions.cpu())
+        return future_action
+
+    @staticmethod
+    def select_action(agent_rref, ob_id, state):
+        self = agent_rref.local_value()
+        probs = self.policy(state.to(self.device))
+        m = Categorical(probs)
+        action = m.sample()
+        self.saved_log_probs[ob_id].append(m.log_prob(action))
+        return action.item()
+
+    def run_episode(self, n_steps=0):
+        futs = []
+        for ob_rref in self.ob_rrefs:
+            # make async RPC to kick off an episode on all observers
+            futs.append(ob_rref.rpc_async().run_episode(self.agent_rref, n_steps))
+
+        # wait until all obervers have finished this episode
+        rets = torch.futures.wait_all(futs)
+        rewards = torch.stack([ret[0] for ret in rets]).to(self.device).t()
+        ep_rewards = sum([ret[1] for ret in rets]) / len(rets)
+
+        # stack saved probs into one tensor
+        if self.batch:
+            probs = torch.stack(self.saved_log_probs)
+        else:
+            probs = [torch.stack(self.saved_log_probs[i]) for i in range(len(rets))]
+            # Steps by observers: the tutorial's stack weighs each action by all observers' returns
+            probs = torch.cat(probs, dim=1)
+
+        policy_loss = -probs * rewards / len(rets)
+        policy_loss.sum().backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+
+        # reset variables
+        self.saved_log_probs = [] if self.batch else {k: [] for k in range(len(self.ob_rrefs))}
+        self.states = torch.zeros(len(self.ob_rrefs), 1, 4)
+
+        # calculate running rewards
+        self.running_reward = 0.5 * ep_rewards + 0.5 * self.running_reward
+        return ep_rewards, self.running_reward
+
+
+def run_worker(rank, world_size, args):
+    torch.set_num_threads(1)  # tiny ops: more threads only spin against other ranks
+    # One RPC thread on the agent: autograd sums gradients in an order that follows threads.
+    options = backend_options(args, num_worker_threads=1 if rank == 0 else 16)
+    with deadline(rank, args):
+        rpc.init_rpc(worker_name(rank, world_size), rank=rank, world_size=world_size,
+                     rpc_backend_options=options)
+    if rank == 0:
+        # rank0 is the agent
+        agent = Agent(world_size, args.batch, gamma=args.gamma, seed=args.seed)
+        start = time.perf_counter()
+        for i_episode in range(args.num_episode):
+            last_reward, running_reward = agent.run_episode(n_steps=args.n_steps)
+            print('Episode {}\tLast reward: {:.2f}\tAverage reward: {:.2f}'.format(
+                i_episode, last_reward, running_reward))
+        seconds = time.perf_counter() - start  # not in the tutorial: for people and scripts
+        steps = args.n_steps * (world_size - 1) * args.num_episode  # observer-steps
+        print(f"Summary: episodes={args.num_episode} steps={steps} seconds={seconds:.2f} "
+              f"us_per_step={seconds / steps * 1e6:.0f} batch={str(args.batch).lower()}")
+    # else: observers passively waiting for instructions from agents
+    # the tutorial's rpc.shutdown() alone waits forever for a dead peer
+    wait_for_peers(rank, args)
+    rpc.shutdown(timeout=args.timeout)
+
+
+def worker_name(rank, world_size):
+    return AGENT_NAME if rank == 0 else OBSERVER_NAME.format(rank)
+
+
+def parse_args(argv=None):  # the tutorial parses at import
+    parser = argparse.ArgumentParser(
+        description="PyTorch RPC Batch RL example",
+        epilog="Rank 0 is the agent, every other rank an observer.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+    add = parser.add_argument
+    add("--gamma", type=number(float, 0, 1), default=1.0, help="Discount factor.")
+    add("--num_episode", "--num-episode", type=number(int, 1), default=10, help="Episodes.")
+    add("--n_steps", type=number(int, 1), default=NUM_STEPS, help="Steps per observer and episode.")
+    add("--batch", action=argparse.BooleanOptionalAction, default=True,
+        help="One policy run for all observers' states (--no-batch: one per state).")
+    return parse_common(parser, argv, world_size=2, least=2)  # an agent and an observer
+
+
+# --------- Launching ranks (not in the tutorials) --------------------
+def backend_options(args, **kwargs):
+    # TCP only: shared memory busy-polls (private: pytorch/pytorch#33982).
+    return rpc.TensorPipeRpcBackendOptions(
+        init_method=f"tcp://{args.master_addr}:{args.master_port}", rpc_timeout=args.timeout,
+        _transports=["uv"], **kwargs)
+
+
+@contextlib.contextmanager
+def deadline(rank, args):
+    # torch waits 30 min for a lost rank, forever on a silent port
+    timer = threading.Timer(5 * args.timeout, fail, (
+        rank, args, f"not all {args.world_size} ranks met at port {args.master_port}"))
+    timer.start()
+    # torch's own meeting fails unexplained on two world sizes
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's holds it
+    store = dist.TCPStore(args.master_addr, args.master_port, is_master=rank == 0 and not agent,
+                          timeout=datetime.timedelta(seconds=9 * args.timeout), multi_tenant=True)
+    store.add("came", 1)  # before rank 0 can read the size
+    store.set(str(rank), str(args.world_size))
+    for peer in range(args.world_size):
+        sizes = sorted({int(store.get(str(peer))), args.world_size})
+        if len(sizes) > 1:
+            store.add("told", 1)
+            while rank == 0 and store.add("told", 0) < store.add("came", 0):
+                time.sleep(0.1)  # the others read its store first
+            fail(rank, args, "ranks of --world_size {} and {} met".format(*sizes))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "You are using a Backend")  # torch's own use of it
+        yield
+    tell_peers(rank, args)  # a failed first connection aborts TensorPipe (moolib#34)
+    timer.cancel()
+
+
+done_ranks = set()
+
+
+def rank_done(rank, done):
+    if done:
+        done_ranks.add(rank)
+
+
+def tell_peers(rank, args, done=False):
+    for peer in range(args.world_size):
+        name = worker_name(peer, args.world_size)
+        to = rpc.get_worker_info(name)  # raises before init_rpc
+        try:
+            rpc.rpc_sync(to, rank_done, (rank, done))
+        except RuntimeError:
+            fail(rank, args, f"lost contact with rank {peer} ({name})")
+
+
+def wait_for_peers(rank, args):
+    # rpc.shutdown() waits forever for a dead peer
+    while len(done_ranks) < args.world_size:
+        time.sleep(1)
+        tell_peers(rank, args, True)
+
+
+def describe(exc, args):
+    head, _, tail = str(exc).partition("\nTraceback")  # torch's report of an RPC's
+    where, cause = re.findall(r"id=(\d+), name=(.*?)\)", head), re.findall(r"^\S.*", tail, re.M)
+    if where and cause:
+        return "rank {} ({}): {}".format(*where[-1], cause[0])
+    if isinstance(exc, socket.gaierror):
+        return f"{args.master_addr}: {exc.strerror}"
+    return f"{type(exc).__name__}: {head}".splitlines()[0]
+
+
+def fail(rank, args, why):
+    print(f"Error on rank {rank} ({worker_name(rank, args.world_size)}): {why}", file=sys.stderr)
+    os._exit(1)  # sys.exit waits for threads stuck on lost peers
+
+
+def run_rank(rank, args):
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C ends it even in torch's waits
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
+    if mp.parent_process() and not mp.parent_process().is_alive():
+        os._exit(1)  # its launcher died before torch watched
+    for stream in sys.stdout, sys.stderr:  # whole lines even unbuffered
+        stream.reconfigure(line_buffering=True, write_through=False)
+    try:
+        if not args.ifname:  # else torch binds the hostname's address
+            with socket.socket(type=socket.SOCK_DGRAM) as probe:
+                probe.connect((args.master_addr, 1))  # UDP: sends nothing
+                ours = probe.getsockname()[0]
+            args.ifname = next(name for name, addrs in psutil.net_if_addrs().items()
+                               if ours in [a.address for a in addrs])
+        os.environ["GLOO_SOCKET_IFNAME"] = os.environ["TP_SOCKET_IFNAME"] = args.ifname
+        torch.manual_seed(args.seed + rank)  # --seed repeats a run
+        run_worker(rank, args.world_size, args)
+    except Exception as exc:
+        if "timeout" not in str(exc):  # a peer ended? name it
+            with contextlib.suppress(RuntimeError):
+                tell_peers(rank, args)
+        fail(rank, args, traceback.format_exc() if args.debug else describe(exc, args))
+
+
+def number(kind, low, high=math.inf):  # argparse type naming its range
+    def parse(text):
+        if low <= kind(text) <= high:
+            return kind(text)
+        raise argparse.ArgumentTypeError(f"{text} is not in [{low}, {high}]")
+    parse.__name__ = kind.__name__  # for argparse's "invalid int value"
+    return parse
+
+
+def parse_common(parser, argv, world_size, least, most=math.inf):
+    add, env = parser.add_argument, os.environ.get  # torchrun's
+    add("--world_size", "--world-size", type=number(int, least, most),
+        default=env("WORLD_SIZE", world_size), help="Processes in all, every role.")
+    add("--rank", type=int, default=env("RANK"), help="Run only this rank (None: all).")
+    add("--master_addr", default=env("MASTER_ADDR", "localhost"), help="Address of rank 0.")
+    add("--master_port", type=number(int, 1, 65535), default=env("MASTER_PORT"),
+        help="Rank 0's port (None: 29500, or a free one for one command).")
+    add("--ifname", choices=list(psutil.net_if_addrs()), metavar="IFNAME",
+        help="Network interface (None: the one that reaches rank 0).")
+    add("--timeout", type=number(float, 1, 86400), default=60,
+        help="Seconds to wait for a peer, 5x to meet.")
+    add("--debug", action="store_true", help="Tracebacks and torch's log on a failure.")
+    add("--seed", type=number(int, 0, 2**32 - 1), default=1, help="Seeds all random draws.")
+    args = parser.parse_args(argv)
+    if args.rank is not None and not 0 <= args.rank < args.world_size:
+        parser.error(f"--rank must be in [0, {args.world_size}) at --world_size {args.world_size}")
+    return args
+
+
+def main():
+    args = parse_args()
+    if args.rank is not None:
+        args.master_port = args.master_port or 29500
+        print(f"Rank {args.rank} waits {5 * args.timeout:g} s for all {args.world_size} ranks at "
+              f"{args.master_addr}:{args.master_port}", file=sys.stderr)
+        return run_rank(args.rank, args)
+    if not args.master_port:  # a free one, bound till we exit: rank 0 binds it too (REUSEADDR)
+        held = socket.socket()
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        held.bind(("", 0))
+        args.master_port = held.getsockname()[1]
+    print(f"Starting {args.world_size} ranks on port {args.master_port}", flush=True)
+    try:
+        resource_tracker.ensure_running()  # now: its start unblocks SIGINT (CPython bpo-33613)
+        signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])  # the ranks inherit it
+        ranks = mp.start_processes(run_rank, (args,), args.world_size, join=False)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])  # raises one that came
+        logging.getLogger("torch.multiprocessing.spawn").addFilter(  # our line says it
+            lambda record: "Terminating" not in record.msg)
+        while not ranks.join(grace_period=2):
+            pass
+    except (mp.ProcessExitedException, KeyboardInterrupt) as exc:
+        for process in mp.active_children():
+            process.kill()
+        sys.exit(f"{str(exc) or 'Interrupted'}: stopped every rank.")
+
+
+if __name__ == "__main__":
+    main()

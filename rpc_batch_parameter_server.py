@@ -1,0 +1,301 @@
+"""The tutorial "Implementing Batch RPC Processing Using Asynchronous Executions", part 1
+(https://pytorch.org/tutorials/intermediate/rpc_async_execution.html): rank 0 updates the model
+once every other rank, a trainer, has sent its gradients. One command: python THIS_FILE
+"""
+import argparse
+import contextlib
+import datetime
+import logging
+import math
+import os
+import re
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+import warnings
+from multiprocessing import resource_tracker
+
+if __name__ == "__main__":  # before torch starts threads that would inherit it
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
+    if "--debug" not in sys.argv:
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # no C++ log lines
+
+import psutil
+import torch
+import torch.distributed as dist
+import torch.distributed.rpc as rpc
+import torch.multiprocessing as mp
+from torch import nn, optim
+
+batch_size, image_w, image_h, num_classes, batch_update_size = 20, 64, 64, 30, 5
+
+
+class BatchUpdateParameterServer(object):
+    def __init__(self, batch_update_size=batch_update_size):
+        # A small net, lr 2: the tutorial's ResNet-50 takes seconds a batch on a CPU.
+        self.model = nn.Sequential(nn.AvgPool2d(4), nn.Flatten(), nn.Linear(768, 64), nn.ReLU(),
+                                   nn.Linear(64, num_classes))
+        self.lock = threading.Lock()
+        self.future_model = torch.futures.Future()
+        self.batch_update_size = batch_update_size
+        self.curr_update_size = 0
+        self.optimizer = optim.SGD(self.model.parameters(), lr=2, momentum=0.9)
+        for p in self.model.parameters():
+            p.grad = torch.zeros_like(p)
+
+    def get_model(self):
+        return self.model
+
+    @staticmethod
+    @rpc.functions.async_execution
+    def update_and_fetch_model(ps_rref, grads):
+        self = ps_rref.local_value()
+        with self.lock:
+            self.curr_update_size += 1
+            for p, g in zip(self.model.parameters(), grads):
+                p.grad += g
+            # This call's model, even if another thread replaces future_model before it returns
+            fut = self.future_model
+            if self.curr_update_size >= self.batch_update_size:
+                for p in self.model.parameters():
+                    p.grad /= self.batch_update_size
+                self.curr_update_size = 0
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=False)  # the tutorial's None breaks +=
+                fut.set_result(self.model)  # answers every call that waits for it
+                self.future_model = torch.futures.Future()
+        return fut
+
+
+class Trainer(object):
+    def __init__(self, ps_rref):
+        self.ps_rref, self.loss_fn = ps_rref, torch.nn.MSELoss()
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"  # the tutorial's: cuda
+        # Each class an image of its own, in every trainer: the tutorial's noise teaches nothing.
+        self.images = torch.randn(num_classes, 3, image_w, image_h,
+                                  generator=torch.Generator().manual_seed(0))
+
+    def get_next_batch(self, batches=6):
+        for _ in range(batches):
+            one_hot_indices = torch.randint(num_classes, (batch_size, 1))
+            inputs = torch.normal(self.images[one_hot_indices[:, 0]], 1)
+            labels = torch.zeros(batch_size, num_classes).scatter_(1, one_hot_indices, 1)
+            yield inputs.to(self.device), labels.to(self.device)
+
+    def train(self, batches=6):
+        losses = []
+        m = self.ps_rref.rpc_sync().get_model().to(self.device)
+        for i, (inputs, labels) in enumerate(self.get_next_batch(batches)):
+            loss = self.loss_fn(m(inputs), labels)
+            loss.backward()
+            losses.append(loss.item())
+            if i % 10 == 0:  # the example logs every step, without the loss
+                print(f"{rpc.get_worker_info().name} batch {i} loss {loss:.4f}")
+            m = rpc.rpc_sync(
+                self.ps_rref.owner(),
+                BatchUpdateParameterServer.update_and_fetch_model,
+                args=(self.ps_rref, [p.grad for p in m.cpu().parameters()]),
+            ).to(self.device)
+        return losses
+
+
+def run_trainer(ps_rref, batches=6):
+    trainer = Trainer(ps_rref)
+    return trainer.train(batches)
+
+
+def run_ps(trainers, batches=6):
+    start = time.perf_counter()
+    ps_rref = rpc.RRef(BatchUpdateParameterServer(batch_update_size=len(trainers)))
+    futs = []
+    for trainer in trainers:  # timeout=0 (none): training outlasts an RPC's timeout
+        futs.append(rpc.rpc_async(trainer, run_trainer, args=(ps_rref, batches), timeout=0))
+    losses = torch.tensor(torch.futures.wait_all(futs)).mean(0)  # per batch, of all trainers
+    seconds = time.perf_counter() - start
+    print(f"Summary: trainers={len(trainers)} batches={batches} seconds={seconds:.2f} "
+          f"first_loss={losses[0]:.4f} final_loss={losses[-1]:.4f}")
+
+
+def run_worker(rank, world_size, args):
+    torch.set_num_threads(1)  # small ops: more threads only spin
+    with deadline(rank, args):
+        rpc.init_rpc(worker_name(rank, world_size), rank=rank, world_size=world_size,
+                     rpc_backend_options=backend_options(args))
+    if rank == 0:
+        run_ps([worker_name(r, world_size) for r in range(1, world_size)], args.batches)
+    wait_for_peers(rank, args)  # rpc.shutdown() alone hangs on a dead peer
+    rpc.shutdown(timeout=args.timeout)
+
+
+def worker_name(rank, world_size):
+    return f"trainer{rank}" if rank else "ps"
+
+
+def parse_args(argv=None):  # the tutorial has no flags
+    parser = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                     allow_abbrev=False)
+    parser.add_argument("--batches", type=number(int, 1), default=40,
+                        help="Batches per trainer (the tutorial's 6 show little).")
+    return parse_common(parser, argv, world_size=batch_update_size + 1, least=2)
+
+
+# --------- Launching ranks (not in the tutorials) --------------------
+def backend_options(args, **kwargs):
+    # TCP only: shared memory busy-polls (private: pytorch/pytorch#33982).
+    return rpc.TensorPipeRpcBackendOptions(
+        init_method=f"tcp://{args.master_addr}:{args.master_port}", rpc_timeout=args.timeout,
+        _transports=["uv"], **kwargs)
+
+
+@contextlib.contextmanager
+def deadline(rank, args):
+    # torch waits 30 min for a lost rank, forever on a silent port
+    timer = threading.Timer(5 * args.timeout, fail, (
+        rank, args, f"not all {args.world_size} ranks met at port {args.master_port}"))
+    timer.start()
+    # torch's own meeting fails unexplained on two world sizes
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's holds it
+    store = dist.TCPStore(args.master_addr, args.master_port, is_master=rank == 0 and not agent,
+                          timeout=datetime.timedelta(seconds=9 * args.timeout), multi_tenant=True)
+    store.add("came", 1)  # before rank 0 can read the size
+    store.set(str(rank), str(args.world_size))
+    for peer in range(args.world_size):
+        sizes = sorted({int(store.get(str(peer))), args.world_size})
+        if len(sizes) > 1:
+            store.add("told", 1)
+            while rank == 0 and store.add("told", 0) < store.add("came", 0):
+                time.sleep(0.1)  # the others read its store first
+            fail(rank, args, "ranks of --world_size {} and {} met".format(*sizes))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "You are using a Backend")  # torch's own use of it
+        yield
+    tell_peers(rank, args)  # a failed first connection aborts TensorPipe (moolib#34)
+    timer.cancel()
+
+
+done_ranks = set()
+
+
+def rank_done(rank, done):
+    if done:
+        done_ranks.add(rank)
+
+
+def tell_peers(rank, args, done=False):
+    for peer in range(args.world_size):
+        name = worker_name(peer, args.world_size)
+        to = rpc.get_worker_info(name)  # raises before init_rpc
+        try:
+            rpc.rpc_sync(to, rank_done, (rank, done))
+        except RuntimeError:
+            fail(rank, args, f"lost contact with rank {peer} ({name})")
+
+
+def wait_for_peers(rank, args):
+    # rpc.shutdown() waits forever for a dead peer
+    while len(done_ranks) < args.world_size:
+        time.sleep(1)
+        tell_peers(rank, args, True)
+
+
+def describe(exc, args):
+    head, _, tail = str(exc).partition("\nTraceback")  # torch's report of an RPC's
+    where, cause = re.findall(r"id=(\d+), name=(.*?)\)", head), re.findall(r"^\S.*", tail, re.M)
+    if where and cause:
+        return "rank {} ({}): {}".format(*where[-1], cause[0])
+    if isinstance(exc, socket.gaierror):
+        return f"{args.master_addr}: {exc.strerror}"
+    return f"{type(exc).__name__}: {head}".splitlines()[0]
+
+
+def fail(rank, args, why):
+    print(f"Error on rank {rank} ({worker_name(rank, args.world_size)}): {why}", file=sys.stderr)
+    os._exit(1)  # sys.exit waits for threads stuck on lost peers
+
+
+def run_rank(rank, args):
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C ends it even in torch's waits
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
+    if mp.parent_process() and not mp.parent_process().is_alive():
+        os._exit(1)  # its launcher died before torch watched
+    for stream in sys.stdout, sys.stderr:  # whole lines even unbuffered
+        stream.reconfigure(line_buffering=True, write_through=False)
+    try:
+        if not args.ifname:  # else torch binds the hostname's address
+            with socket.socket(type=socket.SOCK_DGRAM) as probe:
+                probe.connect((args.master_addr, 1))  # UDP: sends nothing
+                ours = probe.getsockname()[0]
+            args.ifname = next(name for name, addrs in psutil.net_if_addrs().items()
+                               if ours in [a.address for a in addrs])
+        os.environ["GLOO_SOCKET_IFNAME"] = os.environ["TP_SOCKET_IFNAME"] = args.ifname
+        torch.manual_seed(args.seed + rank)  # --seed repeats a run
+        run_worker(rank, args.world_size, args)
+    except Exception as exc:
+        if "timeout" not in str(exc):  # a peer ended? name it
+            with contextlib.suppress(RuntimeError):
+                tell_peers(rank, args)
+        fail(rank, args, traceback.format_exc() if args.debug else describe(exc, args))
+
+
+def number(kind, low, high=math.inf):  # argparse type naming its range
+    def parse(text):
+        if low <= kind(text) <= high:
+            return kind(text)
+        raise argparse.ArgumentTypeError(f"{text} is not in [{low}, {high}]")
+    parse.__name__ = kind.__name__  # for argparse's "invalid int value"
+    return parse
+
+
+def parse_common(parser, argv, world_size, least, most=math.inf):
+    add, env = parser.add_argument, os.environ.get  # torchrun's
+    add("--world_size", "--world-size", type=number(int, least, most),
+        default=env("WORLD_SIZE", world_size), help="Processes in all, every role.")
+    add("--rank", type=int, default=env("RANK"), help="Run only this rank (None: all).")
+    add("--master_addr", default=env("MASTER_ADDR", "localhost"), help="Address of rank 0.")
+    add("--master_port", type=number(int, 1, 65535), default=env("MASTER_PORT"),
+        help="Rank 0's port (None: 29500, or a free one for one command).")
+    add("--ifname", choices=list(psutil.net_if_addrs()), metavar="IFNAME",
+        help="Network interface (None: the one that reaches rank 0).")
+    add("--timeout", type=number(float, 1, 86400), default=60,
+        help="Seconds to wait for a peer, 5x to meet.")
+    add("--debug", action="store_true", help="Tracebacks and torch's log on a failure.")
+    add("--seed", type=number(int, 0, 2**32 - 1), default=1, help="Seeds all random draws.")
+    args = parser.parse_args(argv)
+    if args.rank is not None and not 0 <= args.rank < args.world_size:
+        parser.error(f"--rank must be in [0, {args.world_size}) at --world_size {args.world_size}")
+    return args
+
+
+def main():
+    args = parse_args()
+    if args.rank is not None:
+        args.master_port = args.master_port or 29500
+        print(f"Rank {args.rank} waits {5 * args.timeout:g} s for all {args.world_size} ranks at "
+              f"{args.master_addr}:{args.master_port}", file=sys.stderr)
+        return run_rank(args.rank, args)
+    if not args.master_port:  # a free one, bound till we exit: rank 0 binds it too (REUSEADDR)
+        held = socket.socket()
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        held.bind(("", 0))
+        args.master_port = held.getsockname()[1]
+    print(f"Starting {args.world_size} ranks on port {args.master_port}", flush=True)
+    try:
+        resource_tracker.ensure_running()  # now: its start unblocks SIGINT (CPython bpo-33613)
+        signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])  # the ranks inherit it
+        ranks = mp.start_processes(run_rank, (args,), args.world_size, join=False)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])  # raises one that came
+        logging.getLogger("torch.multiprocessing.spawn").addFilter(  # our line says it
+            lambda record: "Terminating" not in record.msg)
+        while not ranks.join(grace_period=2):
+            pass
+    except (mp.ProcessExitedException, KeyboardInterrupt) as exc:
+        for process in mp.active_children():
+            process.kill()
+        sys.exit(f"{str(exc) or 'Interrupted'}: stopped every rank.")
+
+
+if __name__ == "__main__":
+    main()
