@@ -166,8 +166,8 @@ def deadline(rank, args):
         sizes = sorted({int(store.get(str(peer))), args.world_size})
         if len(sizes) > 1:
             store.add("told", 1)
-            while rank == 0 and store.add("told", 0) < store.add("came", 0):
-                time.sleep(0.1)  # the others read its store first
+            while rank == 0 and store.add("told", 0) < max(store.add("came", 0), args.world_size):
+                time.sleep(0.1)  # the store lives here: all read it first
             fail(rank, args, "ranks of --world_size {} and {} met".format(*sizes))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "You are using a Backend")  # torch's own use of it

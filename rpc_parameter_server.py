@@ -134,7 +134,7 @@ def run_parameter_server(rank, world_size, args):
     torch.empty(30 * 2**20, dtype=torch.uint8)
     get_parameter_server(args.num_gpus)  # now: a wrong --num_gpus stops rank 0 at once
     print("PS master initializing RPC")
-    # 4 RPC threads, not 16: passes run one at a time, and each thread's OpenMP team costs.
+    # 4 RPC threads, not 16: passes run one at a time, and idle threads cost.
     with deadline(rank, args):
         rpc.init_rpc(worker_name(rank, world_size), rank=rank, world_size=world_size,
                      rpc_backend_options=backend_options(args, num_worker_threads=4))
@@ -161,7 +161,7 @@ class TrainerNet(nn.Module):
         return remote_method(ParameterServer.forward, self.param_server_rref, x, self.training)
 
 
-def run_training_loop(rank, num_gpus, train_loader, test_loader, epochs=1):  # tutorial: 1
+def run_training_loop(rank, num_gpus, train_loader, test_loader, epochs=1):
     net = TrainerNet(num_gpus=num_gpus)
     param_rrefs = net.get_global_param_rrefs()
     opt = DistributedOptimizer(optim.SGD, param_rrefs, lr=0.03)
@@ -283,8 +283,8 @@ def deadline(rank, args):
         sizes = sorted({int(store.get(str(peer))), args.world_size})
         if len(sizes) > 1:
             store.add("told", 1)
-            while rank == 0 and store.add("told", 0) < store.add("came", 0):
-                time.sleep(0.1)  # the others read its store first
+            while rank == 0 and store.add("told", 0) < max(store.add("came", 0), args.world_size):
+                time.sleep(0.1)  # the store lives here: all read it first
             fail(rank, args, "ranks of --world_size {} and {} met".format(*sizes))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "You are using a Backend")  # torch's own use of it

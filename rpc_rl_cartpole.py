@@ -149,7 +149,7 @@ class Agent:
 
 def run_worker(rank, world_size, args):
     torch.set_num_threads(1)  # the policy is tiny: a second thread only spins
-    # One RPC thread on the agent: the threads that build the graph set the gradients' sum order.
+    # One RPC thread on the agent: the threads that build the graph order the gradients' sum.
     options = backend_options(args, num_worker_threads=1 if rank == 0 else 16)
     with deadline(rank, args):
         rpc.init_rpc(worker_name(rank, world_size), rank=rank, world_size=world_size,
@@ -171,7 +171,7 @@ def run_worker(rank, world_size, args):
             if solved:
                 print(f"Solved! Running reward is now {agent.running_reward}!")
                 break
-            if i_episode == args.max_episodes:  # the tutorial has no bound
+            if i_episode == args.max_episodes:
                 break
         seconds = time.perf_counter() - start
         print(f"Summary: episodes={i_episode} steps={agent.total_steps} seconds={seconds:.2f} "
@@ -222,8 +222,8 @@ def deadline(rank, args):
         sizes = sorted({int(store.get(str(peer))), args.world_size})
         if len(sizes) > 1:
             store.add("told", 1)
-            while rank == 0 and store.add("told", 0) < store.add("came", 0):
-                time.sleep(0.1)  # the others read its store first
+            while rank == 0 and store.add("told", 0) < max(store.add("came", 0), args.world_size):
+                time.sleep(0.1)  # the store lives here: all read it first
             fail(rank, args, "ranks of --world_size {} and {} met".format(*sizes))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "You are using a Backend")  # torch's own use of it

@@ -142,7 +142,7 @@ def run_trainer(epochs=10):  # the tutorial's 10
                 opt.step(context_id)  # no zero_grad: each context holds its own grads
             losses.append(loss.item())
         epoch_loss = sum(losses) / len(losses)
-        print(f"Training epoch {epoch} loss {epoch_loss:.4f}")  # the loss, to see it learn
+        print(f"Training epoch {epoch} loss {epoch_loss:.4f}")  # with the loss
     seconds = time.perf_counter() - start
     print(f"Summary: epochs={epochs} seconds={seconds:.2f} final_loss={epoch_loss:.4f}")
 
@@ -152,7 +152,7 @@ def worker_name(rank, world_size):
 
 
 def run_worker(rank, world_size, args):
-    # One RPC thread: the parameter server builds the two parts in the order asked (same seed).
+    # One RPC thread: the two parts are built in the order asked, as --seed needs.
     with deadline(rank, args):
         rpc.init_rpc(worker_name(rank, world_size), rank=rank, world_size=world_size,
                      rpc_backend_options=backend_options(args, num_worker_threads=1))
@@ -196,8 +196,8 @@ def deadline(rank, args):
         sizes = sorted({int(store.get(str(peer))), args.world_size})
         if len(sizes) > 1:
             store.add("told", 1)
-            while rank == 0 and store.add("told", 0) < store.add("came", 0):
-                time.sleep(0.1)  # the others read its store first
+            while rank == 0 and store.add("told", 0) < max(store.add("came", 0), args.world_size):
+                time.sleep(0.1)  # the store lives here: all read it first
             fail(rank, args, "ranks of --world_size {} and {} met".format(*sizes))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "You are using a Backend")  # torch's own use of it

@@ -29,16 +29,19 @@ USER_ENV = dict(os.environ)
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
-# The four scripts, as module names; each is the file ROOT / f"{name}.py".
-SCRIPTS = ["rpc_parameter_server", "rpc_rl_cartpole", "rpc_rnn_model_parallel", "ddp_rpc_hybrid"]
+# The scripts, as module names; each is the file ROOT / f"{name}.py".
+SCRIPTS = ["rpc_parameter_server", "rpc_rl_cartpole", "rpc_rnn_model_parallel", "ddp_rpc_hybrid",
+           "rpc_batch_parameter_server", "rpc_batch_cartpole"]
 SCRIPT_FILES = [f"{name}.py" for name in SCRIPTS]
 
 # Tiny MNIST and the shared runs' settings: tests derive what they expect from these.
-MNIST_TRAIN, MNIST_TEST = 320, 64  # images in the tiny MNIST: 10 and 2 batches of the script's 32
-PS_EPOCHS = 2
+MNIST_TRAIN, MNIST_TEST = 192, 64  # images in the tiny MNIST: 6 and 2 batches of the script's 32
+PS_EPOCHS = 1
 RL_EPISODES = 40  # the policy improves by 1.5x in 40 episodes on torch 2.6.0 (3.8x) and 2.14.1 (2.2x)
 RNN_EPOCHS = 10  # the default: the smoke run is the README's command as written
-DDP_EPOCHS = 4
+DDP_EPOCHS = 2
+BATCHES = ["--batches=20"]  # the batch parameter server's smoke runs: twice its tutorial's 6
+BATCH_RL = ["--num_episode=3", "--n_steps=50"]  # the batch CartPole's: 3 short episodes
 SLOW = 40  # seconds that the slow agent's fifth select_action takes; its observer's --timeout is half that
 VANISH_TIMEOUT = 10  # --timeout of the runs whose machine vanishes
 SIZES_TIMEOUT = 30  # --timeout of the ranks of two world sizes: room to arrive on a loaded machine, not a bound
@@ -359,9 +362,13 @@ def shared_runs(tmp_path_factory, tiny_mnist):
       DataLoader workers, as a learner may change it;
     - "rnn ranks", "ps ranks", "rl ranks": one terminal per rank, a list of ranks: one rank drives the training
       alone, so each must print its one-command twin's numbers ("ps workers" for the parameter server), for as
-      long as it runs (the parameter server one epoch, CartPole 10 episodes). The RNN's ranks are started as a
+      long as it runs (the parameter server one epoch, CartPole 5 episodes). The RNN's ranks are started as a
       person starts them, with the README's flags: rank 1 two seconds after rank 0 says that it waits, at this
       host's own non-loopback address where it has one;
+    - "bps 2", "bps 3", "bps ranks": the batch parameter server in one command at world size 2 and 3, and one
+      terminal per rank at 2, its trainer killed (.killed: when) once it has printed its loss at batch 20;
+      "brl 2", "brl 3", "brl ranks": the batch CartPole likewise, batching but at world size 3 (--no-batch),
+      its observer killed once the agent has printed episode 2;
     - "rl slow": [agent, observer] of slow_agent(), the observer, whose --timeout is SLOW / 2, started once the
       agent says it waits;
     - "scripts": the RNN's rank 0 and CartPole's rank 1 on one port; "sizes": CartPole's rank 0 at --world_size 2
@@ -414,9 +421,15 @@ def shared_runs(tmp_path_factory, tiny_mnist):
                                              "    test_loader"), "--world_size=2", *ps_flags),
             "ps ranks": ranks("rpc_parameter_server.py", 2, "--data_dir", tiny_mnist),
             "rl": start("rpc_rl_cartpole.py", "--world_size=2", f"--max_episodes={RL_EPISODES}", "--log_interval=1"),
-            "rl ranks": ranks("rpc_rl_cartpole.py", 2, "--max_episodes=10", "--log_interval=1"),
+            "rl ranks": ranks("rpc_rl_cartpole.py", 2, "--max_episodes=5", "--log_interval=1"),
             "ddp 3": start("ddp_rpc_hybrid.py", "--world_size=3", f"--epochs={DDP_EPOCHS}"),
             "ddp 4": start("ddp_rpc_hybrid.py", "--world_size=4", f"--epochs={DDP_EPOCHS}"),
+            "bps 2": start("rpc_batch_parameter_server.py", "--world_size=2", *BATCHES),
+            "bps 3": start("rpc_batch_parameter_server.py", "--world_size=3", *BATCHES),
+            "bps ranks": ranks("rpc_batch_parameter_server.py", 2, "--batches", 10 ** 7),
+            "brl 2": start("rpc_batch_cartpole.py", "--world_size=2", *BATCH_RL),
+            "brl 3": start("rpc_batch_cartpole.py", "--world_size=3", "--no-batch", *BATCH_RL),
+            "brl ranks": ranks("rpc_batch_cartpole.py", 2, "--num_episode", 10 ** 7, BATCH_RL[1]),
             # these two pairs meet as soon as both have started
             "scripts": [start("rpc_rnn_model_parallel.py", "--rank=0", "--master_port", scripts_port),
                         start("rpc_rl_cartpole.py", "--rank=1", "--master_port", scripts_port)],
@@ -453,6 +466,15 @@ def shared_runs(tmp_path_factory, tiny_mnist):
             runs["rl slow"].append(once_waiting(runs["rl slow"][0], slow, "--rank=1", *slow_port, timeout=SLOW / 2))
             runs["rnn ranks"].append(once_waiting(runs["rnn ranks"][0], "rpc_rnn_model_parallel.py", "--rank=1",
                                                   *rnn_at, late=2, timeout=None))
+            (server, trainer), (agent, observer) = runs["bps ranks"], runs["brl ranks"]
+            for printer, victim, survivor, line in ((trainer, trainer, server, "trainer1 batch 20 "),
+                                                    (agent, observer, agent, "Episode 2\t")):
+                printer.wait_for(line, HANG)
+                victim.kill()
+                victim.killed = time.monotonic()
+                with contextlib.suppress(subprocess.TimeoutExpired):  # its test judges how it ended
+                    survivor.proc.wait(120)
+                    survivor.ended = time.monotonic()
             if vanished:  # the waits are long: the other runs start too
                 for script, _, _, printer, line in VANISHING:
                     runs["vanished"][script][printer].wait_for(line, HANG)

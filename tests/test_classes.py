@@ -132,9 +132,45 @@ def check_hybrid_model_takes_a_rank_a_string_or_a_device():
     assert len(losses) == 2 and set(fc_weights) == {"weight", "bias"}
 
 
+def check_batch_parameter_server_answers_each_trainer_once_all_have_reported():
+    # The tutorial's async_execution: a trainer's call returns only when the batch is full, with the model
+    # updated from the mean of the gradients.
+    bps = copied("rpc_batch_parameter_server")
+    server = bps.BatchUpdateParameterServer(batch_update_size=2)
+    rref, before = rpc.RRef(server), [p.detach().clone() for p in server.model.parameters()]
+    grads = [[torch.full_like(p, value) for p in before] for value in (1.0, 3.0)]
+    first = rpc.rpc_async("parameter_server", bps.BatchUpdateParameterServer.update_and_fetch_model,
+                          args=(rref, grads[0]))
+    assert not first.done(), "answered before the batch was full"
+    second = rpc.rpc_sync("parameter_server", bps.BatchUpdateParameterServer.update_and_fetch_model,
+                          args=(rref, grads[1]))
+    for model in (first.wait(), second):  # both got the stepped model: SGD's first step is lr * mean grad
+        for old, new in zip(before, model.parameters()):
+            torch.testing.assert_close(new, old - 2 * 2.0)
+    # The tutorial's Trainer and run_trainer, with its own call, against that server.
+    trainer_losses = bps.run_trainer(rpc.RRef(bps.BatchUpdateParameterServer(batch_update_size=1)))
+    assert len(trainer_losses) == 6
+
+
+def check_batch_agent_answers_observers_once_all_states_are_in():
+    # The batch CartPole's select_action_batch, as two observers call it: the first waits for the second,
+    # then both get actions from one policy run, saved as one row of log-probs.
+    brl = copied("rpc_batch_cartpole")
+    agent = brl.Agent(1)  # the tutorial's call; two observers are faked by hand below
+    agent.states, agent.pending_states = torch.zeros(2, 1, 4), 2
+    call = functools.partial(rpc.rpc_async, "parameter_server", brl.Agent.select_action_batch)
+    first = call(args=(agent.agent_rref, 0, torch.ones(1, 4)))
+    assert not first.done(), "answered before every observer's state came"
+    second = call(args=(agent.agent_rref, 1, torch.zeros(1, 4)))
+    assert {first.wait(), second.wait()} <= {0, 1} and len(agent.saved_log_probs) == 1
+    assert agent.saved_log_probs[0].shape == (2,)
+
+
 CHECKS = [check_get_accuracy_evaluates_the_remote_model_in_eval_mode, check_finish_episode_returns_and_loss,
           check_observer_calls_the_agent_twice_per_step, check_rnn_parts_take_the_tutorials_calls_and_train,
-          check_hybrid_model_takes_a_rank_a_string_or_a_device]
+          check_hybrid_model_takes_a_rank_a_string_or_a_device,
+          check_batch_parameter_server_answers_each_trainer_once_all_have_reported,
+          check_batch_agent_answers_observers_once_all_states_are_in]
 
 
 def run_checks(port, results):

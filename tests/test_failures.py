@@ -72,8 +72,9 @@ def act_when_ready(*cases):
 def failure_runs(tmp_path_factory):
     """The failure cases, started side by side, all ended before any test reads them: a dict by case of runs, or
     of a run's ranks. One terminal per rank (--rank): a listener that never answers on the port, the port in use,
-    an address that does not resolve, an exception inside an RPC, an observer killed. One command: a GPU that is
-    not there, MNIST that cannot be downloaded (in a folder of its own), and the cases of STOPS, each run with
+    an address that does not resolve, MNIST that cannot be downloaded (in a folder of its own), an exception
+    inside an RPC, an observer killed. One command: a bad flag value, a GPU that is not there, and the cases
+    of STOPS, each run with
     .stopped (when the test acted, or the trainer raised) and .gone (seconds from then until no process of the
     run was left)."""
     folder, started = tmp_path_factory.mktemp("failures"), []
@@ -97,6 +98,7 @@ def failure_runs(tmp_path_factory):
     common = ["--master_port", free_port(), "--timeout", TIMEOUT]
     gpus = torch.cuda.device_count() + 1  # one GPU more than this host has
     no_network = {name: f"http://127.0.0.1:{free_port()}" for name in ("http_proxy", "https_proxy")}  # refused
+    no_mnist, no_mnist_port = tmp_path_factory.mktemp("no_mnist"), free_port()
     cartpole = ["rpc_rl_cartpole.py", "--world_size=3", "--master_port", free_port(), "--timeout", TIMEOUT,
                 "--max_episodes", 100000, "--log_interval", 1]
     stopping = ["rpc_rnn_model_parallel.py", "--epochs", 100000, "--timeout", TIMEOUT]
@@ -112,9 +114,10 @@ def failure_runs(tmp_path_factory):
                                                 "nosuch.host.invalid", "--master_port", free_port()),
         "a GPU that is not there": gpus <= 2 and run("rpc_parameter_server.py", "--world_size=2",
                                                      f"--num_gpus={gpus}", "--master_port", free_port()),
-        "MNIST that cannot be downloaded": run("rpc_parameter_server.py", "--world_size=2", "--master_port",
-                                               free_port(), "--timeout", TIMEOUT, env=no_network,
-                                               cwd=tmp_path_factory.mktemp("no_mnist")),
+        "MNIST that cannot be downloaded": [run("rpc_parameter_server.py", "--world_size=2", f"--rank={rank}",
+                                                "--master_port", no_mnist_port, env=no_network, cwd=no_mnist)
+                                            for rank in (0, 1)],
+        "a bad flag value": run("rpc_rnn_model_parallel.py", "--epochs=0"),
         "an exception inside an RPC": [run(buggy, *common, f"--rank={rank}") for rank in (0, 1)],
         # one intra-op thread each: these runs share two cores and only need to be under way
         "an observer killed": [run(*cartpole, f"--rank={rank}", env={"OMP_NUM_THREADS": "1"}) for rank in range(3)],
@@ -186,14 +189,22 @@ def test_a_gpu_that_is_not_there(failure_runs):
 
 
 def test_mnist_that_cannot_be_downloaded(failure_runs):
-    # No network (a proxy that refuses): the trainer says why and what to do, and leaves no folder behind.
-    proc = failure_runs["MNIST that cannot be downloaded"]
-    lines = error_lines(proc)
-    assert lines[0] == ("Error on rank 1 (trainer_1): RuntimeError: cannot download MNIST into ./data (<urlopen "
-                        "error [Errno 111] Connection refused>); give --data_dir a folder that holds MNIST/raw/"), proc
-    # The parameter server loses its trainer, or is stopped first by the launcher.
-    assert lines[1:] in ([], ["Error on rank 0 (parameter_server): lost contact with rank 1 (trainer_1)"]), proc
-    assert proc.returncode == 1 and list(proc.cwd.iterdir()) == [], proc
+    # No network (a proxy that refuses): the trainer says why and what to do, and leaves no folder behind; the
+    # parameter server, one terminal each, loses its trainer.
+    server, trainer = failure_runs["MNIST that cannot be downloaded"]
+    assert one_error_line(trainer) == (
+        "Error on rank 1 (trainer_1): RuntimeError: cannot download MNIST into ./data (<urlopen error [Errno 111] "
+        "Connection refused>); give --data_dir a folder that holds MNIST/raw/"), trainer
+    assert one_error_line(server) == "Error on rank 0 (parameter_server): lost contact with rank 1 (trainer_1)"
+    assert list(trainer.cwd.iterdir()) == [], trainer
+
+
+def test_a_bad_flag_value_stops_the_command_before_anything_starts(failure_runs):
+    # The whole command as a user types it: refused by argparse, no rank started, no traceback.
+    proc = failure_runs["a bad flag value"]
+    assert proc.returncode == 2 and proc.out == "", proc  # no "Starting" line
+    assert proc.err.startswith("usage: ") and "Traceback" not in proc.err, proc
+    assert proc.err.strip().splitlines()[-1].endswith("error: argument --epochs: 0 is not in [1, inf]"), proc
 
 
 def test_an_exception_inside_an_rpc_names_its_rank_and_cause(failure_runs):

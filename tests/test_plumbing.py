@@ -31,7 +31,7 @@ for name in sys.argv[2:]:
 
 
 def test_importing_a_script_starts_nothing(run, tmp_path):
-    # A fresh Python (pytest's has imported the scripts) imports the four in turn and checks after each.
+    # A fresh Python (pytest's has imported the scripts) imports the scripts in turn and checks after each.
     (tmp_path / "import_only.py").write_text(IMPORT_ONLY)
     proc = run(tmp_path / "import_only.py", ROOT, *SCRIPTS).wait()
     assert (proc.returncode, proc.out, proc.err) == (0, "", ""), proc

@@ -31,7 +31,7 @@ def test_one_observer_same_seed_same_episodes(shared_runs):
     (agent, observer), one_command = shared_runs["rl ranks"], shared_runs["rl"]
     assert_succeeded(agent, observer)
     assert observer.out == "", observer  # the agent's terminal shows the episodes
-    played = episodes(agent.out)  # 10 of them
+    played = episodes(agent.out)  # 5 of them
     assert played and played == episodes(one_command.out)[:len(played)], (agent, one_command)
 
 
