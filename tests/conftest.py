@@ -135,6 +135,12 @@ class Run:
         for reader in self._readers:
             reader.start()
         self.seconds = self.ended = None
+        threading.Thread(target=self._note_the_end, daemon=True).start()
+
+    def _note_the_end(self):
+        """The time the process ended, whenever a test reads it."""
+        self.proc.wait()
+        self.ended = self.ended or time.monotonic()
 
     @property
     def out(self):
@@ -232,6 +238,24 @@ def wait_all(runs, limit=HANG):
         except subprocess.TimeoutExpired:
             proc.kill()
         proc.wait()
+
+
+def act_when_ready(*cases):
+    """cases: (condition, action). Call each action as soon as its condition holds, so that no run trains on,
+    taking the cores, while another is waited for."""
+    pending, deadline = list(cases), time.monotonic() + HANG
+    while pending and time.monotonic() < deadline:
+        for case in [case for case in pending if case[0]()]:
+            pending.remove(case)
+            case[1]()
+        time.sleep(0.001)
+    assert not pending, f"never ready: {[case[1].__name__ for case in pending]}"
+
+
+def killed(run):
+    """Kill a run (a rank in a terminal of its own), noting when (.killed)."""
+    run.kill()
+    run.killed = time.monotonic()
 
 
 def changed_copy(folder, script, old, new):
@@ -466,22 +490,20 @@ def shared_runs(tmp_path_factory, tiny_mnist):
             runs["rl slow"].append(once_waiting(runs["rl slow"][0], slow, "--rank=1", *slow_port, timeout=SLOW / 2))
             runs["rnn ranks"].append(once_waiting(runs["rnn ranks"][0], "rpc_rnn_model_parallel.py", "--rank=1",
                                                   *rnn_at, late=2, timeout=None))
-            (server, trainer), (agent, observer) = runs["bps ranks"], runs["brl ranks"]
-            for printer, victim, survivor, line in ((trainer, trainer, server, "trainer1 batch 20 "),
-                                                    (agent, observer, agent, "Episode 2\t")):
-                printer.wait_for(line, HANG)
-                victim.kill()
-                victim.killed = time.monotonic()
-                with contextlib.suppress(subprocess.TimeoutExpired):  # its test judges how it ended
-                    survivor.proc.wait(120)
-                    survivor.ended = time.monotonic()
-            if vanished:  # the waits are long: the other runs start too
-                for script, _, _, printer, line in VANISHING:
-                    runs["vanished"][script][printer].wait_for(line, HANG)
+            trainer, (agent, observer) = runs["bps ranks"][1], runs["brl ranks"]
+            cases = [(lambda: "trainer1 batch 20 " in trainer.out, lambda: killed(trainer)),
+                     (lambda: "Episode 2\t" in agent.out, lambda: killed(observer))]
+            def vanish():  # host A's own link goes down: nothing sends FIN or RST
                 subprocess.run(["ip", "-n", host_a, "link", "set", "v" + host_a[3:], "down"], check=True)
-                down = time.monotonic()
+                runs["down"] = time.monotonic()
+
+            if vanished:  # once every run across the hosts is under way
+                cases.append((lambda: all(line in runs["vanished"][script][printer].out
+                                          for script, _, _, printer, line in VANISHING), vanish))
+            act_when_ready(*cases)
+            if vanished:
                 wait_all(vanished, 90)  # the test asks for less
-                runs["down"] = time.monotonic() - down
+                runs["down"] = max(run.ended for run in vanished) - runs["down"]
                 loopback.join(HANG)
             wait_all(started)
             yield runs

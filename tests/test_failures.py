@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (Run, assert_no_traceback, changed_copy, error_lines, free_port, one_error_line, stop_all,
-                      wait_all)
+from conftest import (Run, act_when_ready, assert_no_traceback, changed_copy, error_lines, free_port, one_error_line,
+                      stop_all, wait_all)
 
 TIMEOUT = 120  # --timeout of the runs that fail: a dead peer is noticed at once, a busy machine is no failure
 HANG = TIMEOUT + 60  # a test's own limit: far above what the scripts promise
@@ -54,18 +54,6 @@ def launched_ranks(launcher):
         return [pid for pid in children if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
     except OSError:
         return []
-
-
-def act_when_ready(*cases):
-    """cases: (condition, action). Call each action as soon as its condition holds, so that no run trains on,
-    taking the cores, while another is waited for."""
-    pending, deadline = list(cases), time.monotonic() + HANG
-    while pending and time.monotonic() < deadline:
-        for case in [case for case in pending if case[0]()]:
-            pending.remove(case)
-            case[1]()
-        time.sleep(0.001)
-    assert not pending, f"never ready: {[case[1].__name__ for case in pending]}"
 
 
 @pytest.fixture(scope="module")
