@@ -51,7 +51,7 @@ class Net(nn.Module):
         if "cuda" in str(device) and num_gpus > 1:
             device = torch.device("cuda:1")
         print(f"Putting rest of layers on {str(device)}")
-        # nn.Dropout, as pytorch/examples' MNIST has it now: Dropout2d warns on 2-D input.
+        # nn.Dropout, as in pytorch/examples' MNIST now (Dropout2d warns on dropout2's 2-D input).
         self.dropout1 = nn.Dropout(0.25).to(device)
         self.dropout2 = nn.Dropout(0.5).to(device)
         self.fc1 = nn.Linear(9216, 128).to(device)

@@ -43,11 +43,14 @@ DDP_EPOCHS = 2
 BATCHES = ["--batches=20"]  # the batch parameter server's smoke runs: twice its tutorial's 6
 BATCH_RL = ["--num_episode=3", "--n_steps=50"]  # the batch CartPole's: 3 short episodes
 SLOW = 40  # seconds that the slow agent's fifth select_action takes; its observer's --timeout is half that
-VANISH_TIMEOUT = 10  # --timeout of the runs whose machine vanishes
+VANISH_TIMEOUT = 30  # --timeout of the runs whose machine vanishes: 5x to meet, as two suites at once need
 SIZES_TIMEOUT = 30  # --timeout of the ranks of two world sizes: room to arrive on a loaded machine, not a bound
 
 TIMING_FIGURES = {"seconds", "ms_per_batch", "us_per_step"}  # Summary figures that vary from run to run
 HANG = 600  # a test's own limit on a run: only keeps a hang from running forever
+# The shared runs' processes alive at once: each holds 0.3-0.4 GB (torch's CUDA build), so that two suites side by
+# side fit in 24 GiB; more would only share the cores.
+PROCESSES = 24
 
 
 _reserved = []  # the sockets that hold free_port's ports for the whole session
@@ -241,15 +244,18 @@ def wait_all(runs, limit=HANG):
 
 
 def act_when_ready(*cases):
-    """cases: (condition, action). Call each action as soon as its condition holds, so that no run trains on,
-    taking the cores, while another is waited for."""
+    """cases: (runs, condition, action). Call each action as soon as its condition holds, so that no run trains on,
+    taking the cores, while another is waited for; a case fails at once where one of its runs ends first."""
     pending, deadline = list(cases), time.monotonic() + HANG
     while pending and time.monotonic() < deadline:
-        for case in [case for case in pending if case[0]()]:
-            pending.remove(case)
-            case[1]()
+        for case in list(pending):
+            if case[1]():
+                pending.remove(case)
+                case[2]()
+            elif any(run.proc.poll() is not None for run in case[0]):
+                pytest.fail(f"a run ended before {case[2].__name__}: {case[0]}")
         time.sleep(0.001)
-    assert not pending, f"never ready: {[case[1].__name__ for case in pending]}"
+    assert not pending, f"never ready: {[case[2].__name__ for case in pending]}"
 
 
 def killed(run):
@@ -407,14 +413,25 @@ def shared_runs(tmp_path_factory, tiny_mnist):
       "vanished": the runs of VANISHING by script, a list of ranks, rank 0 on host A and the others on B, each
       under way when A's link went down, "down" seconds later all had ended;
       "torchrun addrs" and "torchrun": the RNN under torchrun across a second pair of hosts, one agent on each."""
-    started = []
+    started, stopping = [], threading.Event()
 
-    def start(script, *args, python_args=(), timeout=120, netns=None, env=None):
+    def start(script, *args, python_args=(), timeout=120, netns=None, env=None, size=1):
         # --timeout only bounds a failure: on a loaded machine the ranks of one run may arrive far apart.
         started.append(Run(script, [*args, *(["--timeout", timeout] if timeout else [])],
                            cwd=tmp_path_factory.mktemp(Path(script).stem), python_args=python_args, netns=netns,
                            env=env))
+        started[-1].size = size  # the processes it runs: its ranks, and a launcher
         return started[-1]
+
+    def start_in_turn(later):
+        """Start each of `later` (name, size, start) once the processes still alive leave room for it."""
+        for name, size, begin in later:
+            while sum(run.size for run in started if run.proc.poll() is None) + size > PROCESSES:
+                if stopping.wait(0.2):
+                    return
+            runs[name] = begin()
+            if isinstance(runs[name], Run):  # a command: its launcher and ranks (each rank of a list: 1)
+                runs[name].size = size
 
     def ranks(script, world_size, *args, addr="localhost"):
         common = [f"--world_size={world_size}", "--master_addr", addr, "--master_port", free_port(), *args]
@@ -436,33 +453,36 @@ def shared_runs(tmp_path_factory, tiny_mnist):
         if not isinstance(pair, str):
             host_resolves_hostname_to(pair[0][1], pair[1][1])
         runs = {
-            "rnn": start("rpc_rnn_model_parallel.py", netns=None if isinstance(pair, str) else pair[0][1]),
+            "rnn": start("rpc_rnn_model_parallel.py", netns=None if isinstance(pair, str) else pair[0][1], size=3),
             "rnn ranks": [start("rpc_rnn_model_parallel.py", "--rank=0", *rnn_at, timeout=None)],
             "rl slow": [start(slow, "--rank=0", *slow_port, timeout=60)],
-            "ps": start("rpc_parameter_server.py", "--world_size=3", f"--data_dir={tiny_mnist}"),
-            "ps workers": start(changed_copy(tmp_path_factory.mktemp("workers"), "rpc_parameter_server.py",
-                                             "shuffle=True)\n    test_loader", "shuffle=True, num_workers=2)\n"
-                                             "    test_loader"), "--world_size=2", *ps_flags),
-            "ps ranks": ranks("rpc_parameter_server.py", 2, "--data_dir", tiny_mnist),
-            "rl": start("rpc_rl_cartpole.py", "--world_size=2", f"--max_episodes={RL_EPISODES}", "--log_interval=1"),
-            "rl ranks": ranks("rpc_rl_cartpole.py", 2, "--max_episodes=5", "--log_interval=1"),
-            "ddp 3": start("ddp_rpc_hybrid.py", "--world_size=3", f"--epochs={DDP_EPOCHS}"),
-            "ddp 4": start("ddp_rpc_hybrid.py", "--world_size=4", f"--epochs={DDP_EPOCHS}"),
-            "bps 2": start("rpc_batch_parameter_server.py", "--world_size=2", *BATCHES),
-            "bps 3": start("rpc_batch_parameter_server.py", "--world_size=3", *BATCHES),
             "bps ranks": ranks("rpc_batch_parameter_server.py", 2, "--batches", 10 ** 7),
-            "brl 2": start("rpc_batch_cartpole.py", "--world_size=2", *BATCH_RL),
-            "brl 3": start("rpc_batch_cartpole.py", "--world_size=3", "--no-batch", *BATCH_RL),
             "brl ranks": ranks("rpc_batch_cartpole.py", 2, "--num_episode", 10 ** 7, BATCH_RL[1]),
-            # these two pairs meet as soon as both have started
-            "scripts": [start("rpc_rnn_model_parallel.py", "--rank=0", "--master_port", scripts_port),
-                        start("rpc_rl_cartpole.py", "--rank=1", "--master_port", scripts_port)],
-            "copy": start(ROOT / "tests" / "learner.py", free_port(), tiny_mnist, timeout=None),
             "sizes": [start("rpc_rl_cartpole.py", "--rank=0", "--world_size=2", *sizes, timeout=SIZES_TIMEOUT)],
             "ps sizes": [start("rpc_parameter_server.py", "--rank=0", "--world_size=3", *ps_sizes,
                                timeout=SIZES_TIMEOUT)],
             "hosts": pair,
         }
+        # Runs that need no one to act on them, the longest first, started as room allows (PROCESSES).
+        later = [
+            ("ps workers", 5, lambda: start(changed_copy(
+                tmp_path_factory.mktemp("workers"), "rpc_parameter_server.py", "shuffle=True)\n    test_loader",
+                "shuffle=True, num_workers=2)\n    test_loader"), "--world_size=2", *ps_flags)),
+            ("ddp 4", 5, lambda: start("ddp_rpc_hybrid.py", "--world_size=4", f"--epochs={DDP_EPOCHS}")),
+            ("copy", 4, lambda: start(ROOT / "tests" / "learner.py", free_port(), tiny_mnist, timeout=None)),
+            ("ps", 4, lambda: start("rpc_parameter_server.py", "--world_size=3", f"--data_dir={tiny_mnist}")),
+            ("rl", 3, lambda: start("rpc_rl_cartpole.py", "--world_size=2", f"--max_episodes={RL_EPISODES}",
+                                    "--log_interval=1")),
+            ("ddp 3", 4, lambda: start("ddp_rpc_hybrid.py", "--world_size=3", f"--epochs={DDP_EPOCHS}")),
+            ("bps 3", 4, lambda: start("rpc_batch_parameter_server.py", "--world_size=3", *BATCHES)),
+            ("brl 3", 4, lambda: start("rpc_batch_cartpole.py", "--world_size=3", "--no-batch", *BATCH_RL)),
+            ("bps 2", 3, lambda: start("rpc_batch_parameter_server.py", "--world_size=2", *BATCHES)),
+            ("brl 2", 3, lambda: start("rpc_batch_cartpole.py", "--world_size=2", *BATCH_RL)),
+            ("scripts", 2, lambda: [start("rpc_rnn_model_parallel.py", "--rank=0", "--master_port", scripts_port),
+                                    start("rpc_rl_cartpole.py", "--rank=1", "--master_port", scripts_port)]),
+            ("ps ranks", 2, lambda: ranks("rpc_parameter_server.py", 2, "--data_dir", tiny_mnist)),
+            ("rl ranks", 2, lambda: ranks("rpc_rl_cartpole.py", 2, "--max_episodes=5", "--log_interval=1")),
+        ]
         vanished = []
         if not isinstance(pair, str):
             (host_a, host_b), (addr_a, addr_b) = pair
@@ -478,9 +498,12 @@ def shared_runs(tmp_path_factory, tiny_mnist):
         if not isinstance(torchrun_pair, str):
             hosts, addrs = torchrun_pair
             endpoint = f"{addrs[0]}:{free_port()}"
-            runs.update({"torchrun addrs": addrs, "torchrun": [
-                start("rpc_rnn_model_parallel.py", "--epochs=2", netns=host,
-                      python_args=torchrun(addr, endpoint, 1)) for host, addr in zip(hosts, addrs)]})
+            runs["torchrun addrs"] = addrs
+            later.insert(3, ("torchrun", 4, lambda: [  # an agent and its rank on each
+                start("rpc_rnn_model_parallel.py", "--epochs=2", netns=host, python_args=torchrun(addr, endpoint, 1),
+                      size=2) for host, addr in zip(hosts, addrs)]))
+        filler = threading.Thread(target=start_in_turn, args=(later,), daemon=True)
+        filler.start()
         try:
             runs["sizes"].append(once_waiting(runs["sizes"][0], "rpc_rl_cartpole.py", "--rank=1", "--world_size=3",
                                               *sizes, timeout=SIZES_TIMEOUT))
@@ -491,21 +514,31 @@ def shared_runs(tmp_path_factory, tiny_mnist):
             runs["rnn ranks"].append(once_waiting(runs["rnn ranks"][0], "rpc_rnn_model_parallel.py", "--rank=1",
                                                   *rnn_at, late=2, timeout=None))
             trainer, (agent, observer) = runs["bps ranks"][1], runs["brl ranks"]
-            cases = [(lambda: "trainer1 batch 20 " in trainer.out, lambda: killed(trainer)),
-                     (lambda: "Episode 2\t" in agent.out, lambda: killed(observer))]
+
+            def kill_trainer():
+                killed(trainer)
+
+            def kill_observer():
+                killed(observer)
+
             def vanish():  # host A's own link goes down: nothing sends FIN or RST
                 subprocess.run(["ip", "-n", host_a, "link", "set", "v" + host_a[3:], "down"], check=True)
                 runs["down"] = time.monotonic()
 
+            cases = [(runs["bps ranks"], lambda: "trainer1 batch 20 " in trainer.out, kill_trainer),
+                     (runs["brl ranks"], lambda: "Episode 2\t" in agent.out, kill_observer)]
             if vanished:  # once every run across the hosts is under way
-                cases.append((lambda: all(line in runs["vanished"][script][printer].out
-                                          for script, _, _, printer, line in VANISHING), vanish))
+                cases.append((vanished, lambda: all(line in runs["vanished"][script][printer].out
+                                                    for script, _, _, printer, line in VANISHING), vanish))
             act_when_ready(*cases)
             if vanished:
-                wait_all(vanished, 90)  # the test asks for less
+                wait_all(vanished)  # the test asks for less
                 runs["down"] = max(run.ended for run in vanished) - runs["down"]
                 loopback.join(HANG)
+            filler.join()
             wait_all(started)
             yield runs
         finally:
+            stopping.set()
+            filler.join()
             stop_all(started)

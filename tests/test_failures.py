@@ -129,10 +129,11 @@ def failure_runs(tmp_path_factory):
 
     agent, _, victim = runs["an observer killed"]
     try:
-        act_when_ready((lambda: launched_ranks(runs[STOPS[0]]), interrupt),  # the instant the first rank exists
-                       (lambda: len(launched_ranks(runs[STOPS[1]])) >= 2, kill_launcher),
-                       (lambda: "Training done for epoch 1 loss" in runs[STOPS[2]].out, trainer_raised),
-                       (lambda: "Episode 2\t" in agent.out, kill_observer))
+        act_when_ready(([runs[STOPS[0]]], lambda: launched_ranks(runs[STOPS[0]]), interrupt),  # its first rank
+                       ([runs[STOPS[1]]], lambda: len(launched_ranks(runs[STOPS[1]])) >= 2, kill_launcher),
+                       ([runs[STOPS[2]]], lambda: "Training done for epoch 1 loss" in runs[STOPS[2]].out,
+                        trainer_raised),
+                       (runs["an observer killed"], lambda: "Episode 2\t" in agent.out, kill_observer))
         wait_all(started, HANG)
         for how in STOPS:
             runs[how].gone = gone(runs[how], runs[how].stopped)

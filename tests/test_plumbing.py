@@ -1,5 +1,11 @@
-"""What all four scripts share: imports that start nothing (torchrun and the failures: tests/test_several_machines.py
-and tests/test_failures.py)."""
+"""What all the scripts share: imports that start nothing, and a failure's one line for any error (torchrun and the
+failures: tests/test_several_machines.py and tests/test_failures.py)."""
+import argparse
+import importlib
+import socket
+
+import pytest
+
 from conftest import ROOT, SCRIPTS
 
 IMPORT_ONLY = """
@@ -35,3 +41,14 @@ def test_importing_a_script_starts_nothing(run, tmp_path):
     (tmp_path / "import_only.py").write_text(IMPORT_ONLY)
     proc = run(tmp_path / "import_only.py", ROOT, *SCRIPTS).wait()
     assert (proc.returncode, proc.out, proc.err) == (0, "", ""), proc
+
+
+@pytest.mark.parametrize("error", [
+    RuntimeError(), ValueError("two\nlines"), socket.gaierror(), KeyError("id=3, name=ps)"),
+    RuntimeError("On WorkerInfo(id=1, name=trainer1):\nTraceback (most recent call last):\n  File ..."),
+], ids=repr)
+def test_any_error_is_described_in_one_line(error):
+    # A rank's last line comes from describe(), which must never raise, whatever torch or a learner's code raised:
+    # the launcher would print its traceback.
+    line = importlib.import_module(SCRIPTS[0]).describe(error, argparse.Namespace(master_addr="host"))
+    assert line and "\n" not in line, line

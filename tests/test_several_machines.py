@@ -11,7 +11,7 @@ import pytest
 
 from conftest import SIZES_TIMEOUT, VANISH_TIMEOUT, assert_succeeded, one_error_line
 
-# Every process is gone within VANISHED of the link going down (seen while the whole suite ran: 10.3 s).
+# Every process is gone within VANISHED of the link going down (seen at --timeout 10: 10.1-10.4 s).
 VANISHED = 3 * (VANISH_TIMEOUT + 5)
 ONLY_WAIT = {("ddp_rpc_hybrid.py", 2), ("ddp_rpc_hybrid.py", 3)}  # the master and the parameter server
 TIMED_OUT = ("RPC ran for more than set timeout", "Timed out waiting")  # an RPC's timeout, a Gloo collective's
