@@ -2,10 +2,13 @@
 
 torch.cuda.device_count() here does not stop the other tests from starting processes: they never fork the
 test process, they spawn or exec. These tests have not run on the pinned torch: README.md says what ran where."""
+import subprocess
+import sys
+
 import pytest
 import torch
 
-from conftest import DDP_EPOCHS, assert_succeeded, summary
+from conftest import DDP_EPOCHS, HANG, ROOT, assert_succeeded, summary
 
 GPUS = torch.cuda.device_count()
 
@@ -23,8 +26,12 @@ def test_parameter_server_puts_the_model_on_one_gpu(run, tiny_mnist):
 
 
 @needs_gpus(1)
-def test_rnn_trains_where_the_host_has_a_gpu(run):
-    # The table lives on cuda; what it returns crosses RPC on the CPU.
+def test_rnn_table_on_the_gpu_trains(run):
+    # The table lives on cuda (asked of the class in a fresh process); what it returns crosses RPC on the CPU.
+    where = subprocess.run([sys.executable, "-c", "import rpc_rnn_model_parallel as rnn; "
+                            "print(rnn.EmbeddingTable(10, 2, 0.5).encoder.weight.device.type)"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=HANG)
+    assert where.stdout.strip() == "cuda", where
     assert_succeeded(run("rpc_rnn_model_parallel.py").wait())
 
 
@@ -37,9 +44,9 @@ def test_ddp_two_trainers_on_two_gpus_stay_in_sync(run):
 
 
 @needs_gpus(1)
-def test_ddp_two_trainers_and_one_gpu_train_in_sync(run):
-    # One GPU shown for two trainers: trainer 1 has no cuda:1, so both agree on the CPU (DDP needs one device
-    # type in all replicas).
+def test_ddp_two_trainers_and_one_gpu_stay_in_sync(run):
+    # One GPU shown for two trainers: trainer 1 has no cuda:1, so both must agree on the CPU (DDP needs one device
+    # type in all replicas; a trainer that did not would fail: test_several_machines.py's gpu_host).
     proc = run("ddp_rpc_hybrid.py", f"--epochs={DDP_EPOCHS}", env={"CUDA_VISIBLE_DEVICES": "0"}).wait()
     assert_succeeded(proc)
     assert summary(proc.out)["fc_in_sync"] == "true", proc
