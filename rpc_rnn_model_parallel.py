@@ -190,7 +190,7 @@ def deadline(rank, args):
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's holds it
     store = dist.TCPStore(args.master_addr, args.master_port, is_master=rank == 0 and not agent,
                           timeout=datetime.timedelta(seconds=9 * args.timeout), multi_tenant=True)
-    store.add("came", 1)  # before rank 0 can read the size
+    store.add("came", 1)  # before rank 0 reads sizes
     store.set(str(rank), str(args.world_size))
     for peer in range(args.world_size):
         sizes = sorted({int(store.get(str(peer))), args.world_size})
@@ -290,7 +290,7 @@ def parse_common(parser, argv, world_size, least, most=math.inf):
     add("--ifname", choices=list(psutil.net_if_addrs()), metavar="IFNAME",
         help="Network interface (None: the one that reaches rank 0).")
     add("--timeout", type=number(float, 1, 86400), default=60,
-        help="Seconds to wait for a peer, 5x to meet.")
+        help="Seconds (1-86400) to wait for a peer, 5x to meet.")
     add("--debug", action="store_true", help="Tracebacks and torch's log on a failure.")
     add("--seed", type=number(int, 0, 2**32 - 1), default=1, help="Seeds all random draws.")
     args = parser.parse_args(argv)
