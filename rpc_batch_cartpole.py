@@ -2,10 +2,7 @@
 (https://pytorch.org/tutorials/intermediate/rpc_async_execution.html): observers (ranks 1 to N-1)
 play CartPole-v1; the agent (rank 0) picks their actions in batches.
 
-    python rpc_batch_cartpole.py --world_size=5 [--no-batch]  # every rank, here
-    python rpc_batch_cartpole.py --rank=0  # or one terminal per rank
-    python rpc_batch_cartpole.py --rank=1
-    torchrun --nproc_per_node=2 rpc_batch_cartpole.py
+    python rpc_batch_cartpole.py --world_size=5 [--no-batch]  # every rank; or one terminal each
 """
 import argparse
 import contextlib

@@ -1,6 +1,8 @@
 """The tutorial "Implementing Batch RPC Processing Using Asynchronous Executions", part 1
 (https://pytorch.org/tutorials/intermediate/rpc_async_execution.html): rank 0 updates the model
-once every other rank, a trainer, has sent its gradients. One command: python THIS_FILE
+once every other rank, a trainer, has sent its gradients.
+
+    python rpc_batch_parameter_server.py  # every rank; or one terminal each, with --rank=R
 """
 import argparse
 import contextlib
