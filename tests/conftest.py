@@ -382,9 +382,9 @@ def torchrun(addr, endpoint, nproc):
 
 @pytest.fixture(scope="session")
 def shared_runs(tmp_path_factory, tiny_mnist):
-    """The runs that tests read, but for the failure cases that time how fast a run ends, started together so
-    that they share the cores, and all ended before any test reads them, so that their load never overlaps a later
-    test's. A dict by name:
+    """The runs that tests read, but for the failure cases that time how fast a run ends, at most PROCESSES
+    processes at once (those that a test acts on first), and all ended before any test reads them, so that their
+    load never overlaps a later test's. A dict by name:
     - "rnn", "ps", "rl", "ddp 3", "ddp 4": each script's one-command launch, as a user types it (the RNN's and
       the parameter server's are the README's commands as written, the latter with tiny MNIST as its DIR); the
       parameter server at world size 3, CartPole at 2, DDP at 3 and at 4;
@@ -417,16 +417,16 @@ def shared_runs(tmp_path_factory, tiny_mnist):
 
     def start(script, *args, python_args=(), timeout=120, netns=None, env=None, size=1):
         # --timeout only bounds a failure: on a loaded machine the ranks of one run may arrive far apart.
-        started.append(Run(script, [*args, *(["--timeout", timeout] if timeout else [])],
-                           cwd=tmp_path_factory.mktemp(Path(script).stem), python_args=python_args, netns=netns,
-                           env=env))
-        started[-1].size = size  # the processes it runs: its ranks, and a launcher
-        return started[-1]
+        run = Run(script, [*args, *(["--timeout", timeout] if timeout else [])],
+                  cwd=tmp_path_factory.mktemp(Path(script).stem), python_args=python_args, netns=netns, env=env)
+        run.size = size  # the processes it runs, before start_in_turn counts it
+        started.append(run)  # two threads start runs: each returns its own
+        return run
 
     def start_in_turn(later):
         """Start each of `later` (name, size, start) once the processes still alive leave room for it."""
         for name, size, begin in later:
-            while sum(run.size for run in started if run.proc.poll() is None) + size > PROCESSES:
+            while sum(run.size for run in list(started) if run.proc.poll() is None) + size > PROCESSES:
                 if stopping.wait(0.2):
                     return
             runs[name] = begin()
