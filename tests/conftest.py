@@ -3,7 +3,6 @@ runs that several tests read, tiny MNIST, and hosts made of network namespaces."
 import contextlib
 import ipaddress
 import os
-import random
 import re
 import shutil
 import signal
@@ -48,32 +47,23 @@ SIZES_TIMEOUT = 30  # --timeout of the ranks of two world sizes: room to arrive 
 
 TIMING_FIGURES = {"seconds", "ms_per_batch", "us_per_step"}  # Summary figures that vary from run to run
 HANG = 600  # a test's own limit on a run: only keeps a hang from running forever
-# The shared runs' processes alive at once: each holds 0.3-0.4 GB (torch's CUDA build), so that two suites side by
-# side fit in 24 GiB; more would only share the cores.
-PROCESSES = 24
+# The processes of the suite's runs alive at once: each holds 0.3-0.4 GB with torch's CUDA build, so that one suite
+# fits in 6 GB (a CI runner of 7 GB); more would only share the cores.
+PROCESSES = 12
 
 
 _reserved = []  # the sockets that hold free_port's ports for the whole session
 
 
 def free_port():
-    """A free port (never a hard-coded one), held for the session: bound on every address, never listening, so
-    that no other test takes it, while a rank 0 can still listen on it. It lies below the range the OS hands out,
-    where a one-command run picks its port, so a port that such a run has picked is never handed to a test."""
-    low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
-    while True:
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        port = random.randrange(max(1024, low - 10000), low)
-        try:
-            if port in [held.getsockname()[1] for held in _reserved]:
-                raise OSError("held already")
-            sock.bind(("", port))
-        except OSError:  # taken
-            sock.close()
-            continue
-        _reserved.append(sock)
-        return sock.getsockname()[1]
+    """A free port (never a hard-coded one), held for the session: bound on every address with SO_REUSEADDR, never
+    listening, as a one-command run holds its own. The kernel hands a port so held to no other bind, listener or
+    connection, so no run takes it, while a rank 0 can still listen on it."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("", 0))
+    _reserved.append(sock)
+    return sock.getsockname()[1]
 
 
 def own_address():
@@ -243,19 +233,53 @@ def wait_all(runs, limit=HANG):
         proc.wait()
 
 
-def act_when_ready(*cases):
-    """cases: (runs, condition, action). Call each action as soon as its condition holds, so that no run trains on,
-    taking the cores, while another is waited for; a case fails at once where one of its runs ends first."""
-    pending, deadline = list(cases), time.monotonic() + HANG
-    while pending and time.monotonic() < deadline:
-        for case in list(pending):
-            if case[1]():
-                pending.remove(case)
-                case[2]()
-            elif any(run.proc.poll() is not None for run in case[0]):
-                pytest.fail(f"a run ended before {case[2].__name__}: {case[0]}")
+def when(runs, condition):
+    """Return as soon as condition() holds, so that a test acts on runs under way before they train on, taking the
+    cores; fail at once where one of the runs ends first."""
+    deadline = time.monotonic() + HANG
+    while not condition():
+        if any(run.proc.poll() is not None for run in runs) or time.monotonic() > deadline:
+            pytest.fail(f"a run ended, or hung, before it was ready: {runs}")
         time.sleep(0.001)
-    assert not pending, f"never ready: {[case[2].__name__ for case in pending]}"
+
+
+_room = threading.Condition()  # the room left for processes (PROCESSES), and the cases waiting for it in turn
+_free, _waiting = [PROCESSES], []
+
+
+def side_by_side(cases):
+    """cases: (size, case) pairs. Run each case, a function that starts `size` processes at most, acts on them and
+    returns once they have ended, in a thread of its own, once the processes still alive leave room for it: cases
+    in the order given, so that at most PROCESSES processes of the suite's runs are alive at once. Returns once
+    every case has returned, raising the first failure of one."""
+    failures, tickets = [], [object() for _ in cases]
+
+    def in_turn(ticket, size, case):
+        with _room:
+            _room.wait_for(lambda: _waiting[0] is ticket and _free[0] >= size)
+            _waiting.pop(0)
+            _free[0] -= size
+            _room.notify_all()
+        try:
+            case()
+        except BaseException as failure:  # pytest.fail's too
+            failures.append(failure)
+        finally:
+            with _room:
+                _free[0] += size
+                _room.notify_all()
+
+    assert all(size <= PROCESSES for size, _ in cases), cases
+    with _room:
+        _waiting.extend(tickets)
+    threads = [threading.Thread(target=in_turn, args=(ticket, *case), daemon=True)
+               for ticket, case in zip(tickets, cases)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if failures:
+        raise failures[0]
 
 
 def killed(run):
@@ -382,9 +406,9 @@ def torchrun(addr, endpoint, nproc):
 
 @pytest.fixture(scope="session")
 def shared_runs(tmp_path_factory, tiny_mnist):
-    """The runs that tests read, but for the failure cases that time how fast a run ends, at most PROCESSES
-    processes at once (those that a test acts on first), and all ended before any test reads them, so that their
-    load never overlaps a later test's. A dict by name:
+    """The runs that tests read, but for the failure cases that time how fast a run ends, started side by side
+    (side_by_side: those that take longest or that a test acts on first), all ended before any test reads them, so
+    that their load never overlaps a later test's. A dict by name:
     - "rnn", "ps", "rl", "ddp 3", "ddp 4": each script's one-command launch, as a user types it (the RNN's and
       the parameter server's are the README's commands as written, the latter with tiny MNIST as its DIR); the
       parameter server at world size 3, CartPole at 2, DDP at 3 and at 4;
@@ -413,25 +437,14 @@ def shared_runs(tmp_path_factory, tiny_mnist):
       "vanished": the runs of VANISHING by script, a list of ranks, rank 0 on host A and the others on B, each
       under way when A's link went down, "down" seconds later all had ended;
       "torchrun addrs" and "torchrun": the RNN under torchrun across a second pair of hosts, one agent on each."""
-    started, stopping = [], threading.Event()
+    started = []
 
-    def start(script, *args, python_args=(), timeout=120, netns=None, env=None, size=1):
+    def start(script, *args, python_args=(), timeout=120, netns=None, env=None):
         # --timeout only bounds a failure: on a loaded machine the ranks of one run may arrive far apart.
         run = Run(script, [*args, *(["--timeout", timeout] if timeout else [])],
                   cwd=tmp_path_factory.mktemp(Path(script).stem), python_args=python_args, netns=netns, env=env)
-        run.size = size  # the processes it runs, before start_in_turn counts it
-        started.append(run)  # two threads start runs: each returns its own
+        started.append(run)  # several threads start runs: each returns its own
         return run
-
-    def start_in_turn(later):
-        """Start each of `later` (name, size, start) once the processes still alive leave room for it."""
-        for name, size, begin in later:
-            while sum(run.size for run in list(started) if run.proc.poll() is None) + size > PROCESSES:
-                if stopping.wait(0.2):
-                    return
-            runs[name] = begin()
-            if isinstance(runs[name], Run):  # a command: its launcher and ranks (each rank of a list: 1)
-                runs[name].size = size
 
     def ranks(script, world_size, *args, addr="localhost"):
         common = [f"--world_size={world_size}", "--master_addr", addr, "--master_port", free_port(), *args]
@@ -445,100 +458,122 @@ def shared_runs(tmp_path_factory, tiny_mnist):
         time.sleep(late)
         return start(*args, **kwargs)
 
+    def case(name, begin, act=None):
+        """A case of side_by_side: runs[name] = begin(), a run or a list of them; then act(runs[name]); then wait
+        for them all to end."""
+        def run_case():
+            runs[name] = begin()
+            if act:
+                act(runs[name])
+            wait_all(runs[name] if isinstance(runs[name], list) else [runs[name]])
+        return run_case
+
+    def kill_trainer(ranks):
+        when(ranks, lambda: "trainer1 batch 20 " in ranks[1].out)
+        killed(ranks[1])
+
+    def kill_observer(ranks):
+        when(ranks, lambda: "Episode 2\t" in ranks[0].out)
+        killed(ranks[1])
+
     ps_flags = ["--data_dir", tiny_mnist, f"--epochs={PS_EPOCHS}"]
     rnn_at = ["--master_addr", (own_address() or (None, "localhost"))[1], "--master_port", free_port()]
     slow, slow_port = slow_agent(tmp_path_factory.mktemp("slow")), ["--master_port", free_port(), "--max_episodes=3"]
     scripts_port, sizes, ps_sizes = free_port(), ["--master_port", free_port()], ["--master_port", free_port()]
+
+    def by_hand(first, *later):
+        """Ranks started one terminal each, as a person starts them: first, then each of later (start's arguments,
+        with late=) once first says that it waits."""
+        def begin():
+            ranks = [start(*first[0], **first[1])]
+            for args, kwargs in later:
+                ranks.append(once_waiting(ranks[0], *args, **kwargs))
+            return ranks
+        return begin
+
+    runs = {}
     with two_hosts() as pair, two_hosts() as torchrun_pair:
-        if not isinstance(pair, str):
-            host_resolves_hostname_to(pair[0][1], pair[1][1])
-        runs = {
-            "rnn": start("rpc_rnn_model_parallel.py", netns=None if isinstance(pair, str) else pair[0][1], size=3),
-            "rnn ranks": [start("rpc_rnn_model_parallel.py", "--rank=0", *rnn_at, timeout=None)],
-            "rl slow": [start(slow, "--rank=0", *slow_port, timeout=60)],
-            "bps ranks": ranks("rpc_batch_parameter_server.py", 2, "--batches", 10 ** 7),
-            "brl ranks": ranks("rpc_batch_cartpole.py", 2, "--num_episode", 10 ** 7, BATCH_RL[1]),
-            "sizes": [start("rpc_rl_cartpole.py", "--rank=0", "--world_size=2", *sizes, timeout=SIZES_TIMEOUT)],
-            "ps sizes": [start("rpc_parameter_server.py", "--rank=0", "--world_size=3", *ps_sizes,
-                               timeout=SIZES_TIMEOUT)],
-            "hosts": pair,
-        }
-        # Runs that need no one to act on them, the longest first, started as room allows (PROCESSES).
-        later = [
-            ("ps workers", 5, lambda: start(changed_copy(
-                tmp_path_factory.mktemp("workers"), "rpc_parameter_server.py", "shuffle=True)\n    test_loader",
-                "shuffle=True, num_workers=2)\n    test_loader"), "--world_size=2", *ps_flags)),
-            ("ddp 4", 5, lambda: start("ddp_rpc_hybrid.py", "--world_size=4", f"--epochs={DDP_EPOCHS}")),
-            ("copy", 4, lambda: start(ROOT / "tests" / "learner.py", free_port(), tiny_mnist, timeout=None)),
-            ("ps", 4, lambda: start("rpc_parameter_server.py", "--world_size=3", f"--data_dir={tiny_mnist}")),
-            ("rl", 3, lambda: start("rpc_rl_cartpole.py", "--world_size=2", f"--max_episodes={RL_EPISODES}",
-                                    "--log_interval=1")),
-            ("ddp 3", 4, lambda: start("ddp_rpc_hybrid.py", "--world_size=3", f"--epochs={DDP_EPOCHS}")),
-            ("bps 3", 4, lambda: start("rpc_batch_parameter_server.py", "--world_size=3", *BATCHES)),
-            ("brl 3", 4, lambda: start("rpc_batch_cartpole.py", "--world_size=3", "--no-batch", *BATCH_RL)),
-            ("bps 2", 3, lambda: start("rpc_batch_parameter_server.py", "--world_size=2", *BATCHES)),
-            ("brl 2", 3, lambda: start("rpc_batch_cartpole.py", "--world_size=2", *BATCH_RL)),
-            ("scripts", 2, lambda: [start("rpc_rnn_model_parallel.py", "--rank=0", "--master_port", scripts_port),
-                                    start("rpc_rl_cartpole.py", "--rank=1", "--master_port", scripts_port)]),
-            ("ps ranks", 2, lambda: ranks("rpc_parameter_server.py", 2, "--data_dir", tiny_mnist)),
-            ("rl ranks", 2, lambda: ranks("rpc_rl_cartpole.py", 2, "--max_episodes=5", "--log_interval=1")),
-        ]
-        vanished = []
+        runs["hosts"] = pair
+        cases = []
         if not isinstance(pair, str):
             (host_a, host_b), (addr_a, addr_b) = pair
-            loopback = threading.Thread(target=watch_listening, args=(runs["rnn"], host_b, runs), daemon=True)
-            loopback.start()
-            for script, world_size, flags, _, _ in VANISHING:
-                common = [f"--world_size={world_size}", "--master_addr", addr_a, "--master_port", free_port(), *flags]
-                runs.setdefault("vanished", {})[script] = [
-                    start(script if rank else gpu_host(tmp_path_factory.mktemp("gpus")), *common, f"--rank={rank}",
-                          timeout=VANISH_TIMEOUT, netns=host_b if rank else host_a, env={"OMP_NUM_THREADS": "1"})
-                    for rank in range(world_size)]
-                vanished += runs["vanished"][script]
+            host_resolves_hostname_to(host_b, addr_b)
+
+            def vanish(ranks):  # host A's own link goes down, once every rank is under way: nothing sends FIN or RST
+                when(ranks, lambda: all(line in runs["vanished"][script][printer].out
+                                        for script, _, _, printer, line in VANISHING))
+                subprocess.run(["ip", "-n", host_a, "link", "set", "v" + host_a[3:], "down"], check=True)
+                runs["down"] = time.monotonic()
+                wait_all(ranks)  # the test asks for less
+                runs["down"] = max(run.ended for run in ranks) - runs["down"]
+
+            def vanishing():
+                runs["vanished"] = {}
+                for script, world_size, flags, _, _ in VANISHING:
+                    common = [f"--world_size={world_size}", "--master_addr", addr_a, "--master_port", free_port(),
+                              *flags]
+                    runs["vanished"][script] = [
+                        start(script if rank else gpu_host(tmp_path_factory.mktemp("gpus")), *common,
+                              f"--rank={rank}", timeout=VANISH_TIMEOUT, netns=host_b if rank else host_a,
+                              env={"OMP_NUM_THREADS": "1"}) for rank in range(world_size)]
+                return [run for ranks in runs["vanished"].values() for run in ranks]
+
+            def rnn_on_host_b():
+                rnn = start("rpc_rnn_model_parallel.py", netns=host_b)
+                watch_listening(rnn, host_b, runs)
+                return rnn
+
+            cases.append((sum(size for _, size, *_ in VANISHING), case("vanishing", vanishing, vanish)))
+        # The longest first, the runs that only wait among them, then those that a test acts on.
+        cases.append((2, case("rl slow", by_hand(([slow, "--rank=0", *slow_port], {"timeout": 60}),
+                                                 ([slow, "--rank=1", *slow_port], {"timeout": SLOW / 2})))))
+        if not isinstance(pair, str):
+            cases.append((3, case("rnn", rnn_on_host_b)))
+        else:
+            cases.append((3, case("rnn", lambda: start("rpc_rnn_model_parallel.py"))))
         if not isinstance(torchrun_pair, str):
             hosts, addrs = torchrun_pair
             endpoint = f"{addrs[0]}:{free_port()}"
             runs["torchrun addrs"] = addrs
-            later.insert(3, ("torchrun", 4, lambda: [  # an agent and its rank on each
-                start("rpc_rnn_model_parallel.py", "--epochs=2", netns=host, python_args=torchrun(addr, endpoint, 1),
-                      size=2) for host, addr in zip(hosts, addrs)]))
-        filler = threading.Thread(target=start_in_turn, args=(later,), daemon=True)
-        filler.start()
+            cases.append((4, case("torchrun", lambda: [  # an agent and its rank on each
+                start("rpc_rnn_model_parallel.py", "--epochs=2", netns=host, python_args=torchrun(addr, endpoint, 1))
+                for host, addr in zip(hosts, addrs)])))
+        cases += [
+            (2, case("rnn ranks", by_hand(
+                (["rpc_rnn_model_parallel.py", "--rank=0", *rnn_at], {"timeout": None}),
+                (["rpc_rnn_model_parallel.py", "--rank=1", *rnn_at], {"timeout": None, "late": 2})))),
+            (2, case("bps ranks", lambda: ranks("rpc_batch_parameter_server.py", 2, "--batches", 10 ** 7),
+                     kill_trainer)),
+            (2, case("brl ranks", lambda: ranks("rpc_batch_cartpole.py", 2, "--num_episode", 10 ** 7, BATCH_RL[1]),
+                     kill_observer)),
+            (2, case("sizes", by_hand(
+                (["rpc_rl_cartpole.py", "--rank=0", "--world_size=2", *sizes], {"timeout": SIZES_TIMEOUT}),
+                (["rpc_rl_cartpole.py", "--rank=1", "--world_size=3", *sizes], {"timeout": SIZES_TIMEOUT})))),
+            (3, case("ps sizes", by_hand(  # rank 1's terminal forgot --world_size
+                (["rpc_parameter_server.py", "--rank=0", "--world_size=3", *ps_sizes], {"timeout": SIZES_TIMEOUT}),
+                (["rpc_parameter_server.py", "--rank=1", *ps_sizes], {"timeout": SIZES_TIMEOUT}),
+                (["rpc_parameter_server.py", "--rank=2", "--world_size=3", *ps_sizes], {"timeout": SIZES_TIMEOUT})))),
+            # Runs that need no one to act on them, the longest first.
+            (5, case("ps workers", lambda: start(changed_copy(
+                tmp_path_factory.mktemp("workers"), "rpc_parameter_server.py", "shuffle=True)\n    test_loader",
+                "shuffle=True, num_workers=2)\n    test_loader"), "--world_size=2", *ps_flags))),
+            (5, case("ddp 4", lambda: start("ddp_rpc_hybrid.py", "--world_size=4", f"--epochs={DDP_EPOCHS}"))),
+            (4, case("copy", lambda: start(ROOT / "tests" / "learner.py", free_port(), tiny_mnist, timeout=None))),
+            (4, case("ps", lambda: start("rpc_parameter_server.py", "--world_size=3", f"--data_dir={tiny_mnist}"))),
+            (3, case("rl", lambda: start("rpc_rl_cartpole.py", "--world_size=2", f"--max_episodes={RL_EPISODES}",
+                                         "--log_interval=1"))),
+            (4, case("ddp 3", lambda: start("ddp_rpc_hybrid.py", "--world_size=3", f"--epochs={DDP_EPOCHS}"))),
+            (4, case("bps 3", lambda: start("rpc_batch_parameter_server.py", "--world_size=3", *BATCHES))),
+            (4, case("brl 3", lambda: start("rpc_batch_cartpole.py", "--world_size=3", "--no-batch", *BATCH_RL))),
+            (3, case("bps 2", lambda: start("rpc_batch_parameter_server.py", "--world_size=2", *BATCHES))),
+            (3, case("brl 2", lambda: start("rpc_batch_cartpole.py", "--world_size=2", *BATCH_RL))),
+            (2, case("scripts", lambda: [start("rpc_rnn_model_parallel.py", "--rank=0", "--master_port", scripts_port),
+                                         start("rpc_rl_cartpole.py", "--rank=1", "--master_port", scripts_port)])),
+            (2, case("ps ranks", lambda: ranks("rpc_parameter_server.py", 2, "--data_dir", tiny_mnist))),
+            (2, case("rl ranks", lambda: ranks("rpc_rl_cartpole.py", 2, "--max_episodes=5", "--log_interval=1"))),
+        ]
         try:
-            runs["sizes"].append(once_waiting(runs["sizes"][0], "rpc_rl_cartpole.py", "--rank=1", "--world_size=3",
-                                              *sizes, timeout=SIZES_TIMEOUT))
-            for rank, flags in ((1, []), (2, ["--world_size=3"])):  # rank 1's terminal forgot --world_size
-                runs["ps sizes"].append(once_waiting(runs["ps sizes"][0], "rpc_parameter_server.py", f"--rank={rank}",
-                                                     *flags, *ps_sizes, timeout=SIZES_TIMEOUT))
-            runs["rl slow"].append(once_waiting(runs["rl slow"][0], slow, "--rank=1", *slow_port, timeout=SLOW / 2))
-            runs["rnn ranks"].append(once_waiting(runs["rnn ranks"][0], "rpc_rnn_model_parallel.py", "--rank=1",
-                                                  *rnn_at, late=2, timeout=None))
-            trainer, (agent, observer) = runs["bps ranks"][1], runs["brl ranks"]
-
-            def kill_trainer():
-                killed(trainer)
-
-            def kill_observer():
-                killed(observer)
-
-            def vanish():  # host A's own link goes down: nothing sends FIN or RST
-                subprocess.run(["ip", "-n", host_a, "link", "set", "v" + host_a[3:], "down"], check=True)
-                runs["down"] = time.monotonic()
-
-            cases = [(runs["bps ranks"], lambda: "trainer1 batch 20 " in trainer.out, kill_trainer),
-                     (runs["brl ranks"], lambda: "Episode 2\t" in agent.out, kill_observer)]
-            if vanished:  # once every run across the hosts is under way
-                cases.append((vanished, lambda: all(line in runs["vanished"][script][printer].out
-                                                    for script, _, _, printer, line in VANISHING), vanish))
-            act_when_ready(*cases)
-            if vanished:
-                wait_all(vanished)  # the test asks for less
-                runs["down"] = max(run.ended for run in vanished) - runs["down"]
-                loopback.join(HANG)
-            filler.join()
-            wait_all(started)
+            side_by_side(cases)
             yield runs
         finally:
-            stopping.set()
-            filler.join()
             stop_all(started)

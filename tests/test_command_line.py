@@ -59,7 +59,7 @@ def test_help_explains_every_flag_with_its_default(module, capsys):
     with pytest.raises(SystemExit):
         importlib.import_module(module).parse_args(["--help"])
     out = capsys.readouterr().out
-    options = out.split("options:\n")[1].split("\n\n")[0]
+    options = re.split(r"^(?:options|optional arguments):\n", out, flags=re.M)[1].split("\n\n")[0]  # 3.10: the latter
     entries = [" ".join(entry.split()) for entry in re.split(r"\n(?=  -)", options)][1:]  # but -h
     for entry in entries:  # the flag, its metavar, a help text, then the default once
         flags_then_text = r"(-[-\w]+( [A-Z_]+)?,? ?)+ [A-Z(][^()]*(\(.*\))?[^()]*\. \(default: [^()]*\)"

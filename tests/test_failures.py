@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (Run, act_when_ready, assert_no_traceback, changed_copy, error_lines, free_port, one_error_line,
-                      stop_all, wait_all)
+from conftest import (Run, assert_no_traceback, changed_copy, error_lines, free_port, one_error_line, side_by_side,
+                      stop_all, wait_all, when)
 
 TIMEOUT = 120  # --timeout of the runs that fail: a dead peer is noticed at once, a busy machine is no failure
 HANG = TIMEOUT + 60  # a test's own limit: far above what the scripts promise
@@ -58,23 +58,32 @@ def launched_ranks(launcher):
 
 @pytest.fixture(scope="module")
 def failure_runs(tmp_path_factory):
-    """The failure cases, started side by side, all ended before any test reads them: a dict by case of runs, or
-    of a run's ranks. One terminal per rank (--rank): a listener that never answers on the port, the port in use,
-    an address that does not resolve, MNIST that cannot be downloaded (in a folder of its own), an exception
-    inside an RPC, an observer killed. One command: a bad flag value, a GPU that is not there, and the cases
-    of STOPS, each run with
-    .stopped (when the test acted, or the trainer raised) and .gone (seconds from then until no process of the
-    run was left)."""
-    folder, started = tmp_path_factory.mktemp("failures"), []
+    """The failure cases, started side by side (conftest.side_by_side), all ended before any test reads them: a dict
+    by case of runs, or of a run's ranks. One terminal per rank (--rank): a listener that never answers on the
+    port, the port in use, an address that does not resolve, MNIST that cannot be downloaded (in a folder of its
+    own), an exception inside an RPC, an observer killed. One command: a bad flag
+    value, a GPU that is not there, and the cases of STOPS, each run with .stopped (when the test acted, or the
+    trainer raised) and .gone (seconds from then until no process of the run was left)."""
+    folder, started, runs = tmp_path_factory.mktemp("failures"), [], {}
 
     def run(script, *args, env=None, cwd=folder):
         started.append(Run(script, args, cwd=cwd, env=env))
         return started[-1]
 
+    def case(name, begin, act=None):
+        """A case of side_by_side: runs[name] = begin(), a run or its ranks; act(run) once it is under way; then
+        wait for every process to end."""
+        def run_case():
+            runs[name] = begin()
+            if act:
+                act(runs[name])
+            wait_all(runs[name] if isinstance(runs[name], list) else [runs[name]], HANG)
+        return run_case
+
     holder = socket.socket()  # a plain program that listens on a port and never answers
     holder.bind(("127.0.0.1", 0))
     holder.listen()
-    taken = holder.getsockname()[1]
+    taken = runs["taken"] = holder.getsockname()[1]
     # A bug in code that runs on another rank, as in a copy of the script someone changed: the decoder, built on
     # the parameter server, is given a dropout below 0, which the trainer meets nested in two of torch's reports.
     buggy = changed_copy(tmp_path_factory.mktemp("buggy"), "rpc_rnn_model_parallel.py",
@@ -90,53 +99,56 @@ def failure_runs(tmp_path_factory):
     cartpole = ["rpc_rl_cartpole.py", "--world_size=3", "--master_port", free_port(), "--timeout", TIMEOUT,
                 "--max_episodes", 100000, "--log_interval", 1]
     stopping = ["rpc_rnn_model_parallel.py", "--epochs", 100000, "--timeout", TIMEOUT]
-    runs = {
-        "taken": taken,
-        STOPS[0]: run(*stopping),
-        STOPS[1]: run(*stopping),
-        STOPS[2]: run(raising, "--epochs", 100000, "--timeout", TIMEOUT),
-        "a listener that never answers": run("rpc_rnn_model_parallel.py", "--rank=1", "--master_port", taken,
-                                             "--timeout", LONE),
-        "a port in use": run("rpc_rnn_model_parallel.py", "--rank=0", "--master_port", taken, "--timeout", TIMEOUT),
-        "an address that does not resolve": run("rpc_rnn_model_parallel.py", "--rank=1", "--master_addr",
-                                                "nosuch.host.invalid", "--master_port", free_port()),
-        "a GPU that is not there": gpus <= 2 and run("rpc_parameter_server.py", "--world_size=2",
-                                                     f"--num_gpus={gpus}", "--master_port", free_port()),
-        "MNIST that cannot be downloaded": [run("rpc_parameter_server.py", "--world_size=2", f"--rank={rank}",
-                                                "--master_port", no_mnist_port, env=no_network, cwd=no_mnist)
-                                            for rank in (0, 1)],
-        "a bad flag value": run("rpc_rnn_model_parallel.py", "--epochs=0"),
-        "an exception inside an RPC": [run(buggy, *common, f"--rank={rank}") for rank in (0, 1)],
-        # one intra-op thread each: these runs share two cores and only need to be under way
-        "an observer killed": [run(*cartpole, f"--rank={rank}", env={"OMP_NUM_THREADS": "1"}) for rank in range(3)],
-    }
 
-    def interrupt():  # a Ctrl-C in the terminal reaches the whole foreground group
-        os.killpg(runs[STOPS[0]].pid, signal.SIGINT)
-        runs[STOPS[0]].stopped = time.monotonic()
+    def stopped(launcher):
+        launcher.stopped = time.monotonic()
+        launcher.gone = gone(launcher, launcher.stopped)
 
-    def kill_launcher():  # `kill`, to the launcher alone, while its ranks, just started, load torch
+    def interrupt(launcher):  # a Ctrl-C in the terminal reaches the whole foreground group
+        when([launcher], lambda: launched_ranks(launcher))  # its first rank
+        os.killpg(launcher.pid, signal.SIGINT)
+        stopped(launcher)
+
+    def kill_launcher(launcher):  # `kill`, to the launcher alone, while its ranks, just started, load torch
+        when([launcher], lambda: len(launched_ranks(launcher)) >= 2)
         time.sleep(0.3)
-        os.kill(runs[STOPS[1]].pid, signal.SIGTERM)
-        runs[STOPS[1]].stopped = time.monotonic()
+        os.kill(launcher.pid, signal.SIGTERM)
+        stopped(launcher)
 
-    def trainer_raised():
-        runs[STOPS[2]].stopped = time.monotonic()
+    def trainer_raised(launcher):
+        when([launcher], lambda: "Training done for epoch 1 loss" in launcher.out)
+        stopped(launcher)
 
-    def kill_observer():
-        os.kill(victim.pid, signal.SIGKILL)
+    def kill_observer(ranks):
+        when(ranks, lambda: "Episode 2\t" in ranks[0].out)
+        os.kill(ranks[2].pid, signal.SIGKILL)
         runs["killed"] = time.monotonic()
 
-    agent, _, victim = runs["an observer killed"]
+    cases = [
+        (3, case(STOPS[0], lambda: run(*stopping), interrupt)),
+        (3, case(STOPS[1], lambda: run(*stopping), kill_launcher)),
+        (5, case(STOPS[2], lambda: run(raising, "--epochs", 100000, "--timeout", TIMEOUT), trainer_raised)),
+        # one intra-op thread each: these runs share two cores and only need to be under way
+        (3, case("an observer killed", lambda: [run(*cartpole, f"--rank={rank}", env={"OMP_NUM_THREADS": "1"})
+                                                for rank in range(3)], kill_observer)),
+        (1, case("a listener that never answers", lambda: run(
+            "rpc_rnn_model_parallel.py", "--rank=1", "--master_port", taken, "--timeout", LONE))),
+        (1, case("a port in use", lambda: run(
+            "rpc_rnn_model_parallel.py", "--rank=0", "--master_port", taken, "--timeout", TIMEOUT))),
+        (1, case("an address that does not resolve", lambda: run(
+            "rpc_rnn_model_parallel.py", "--rank=1", "--master_addr", "nosuch.host.invalid", "--master_port",
+            free_port()))),
+        (2, case("MNIST that cannot be downloaded", lambda: [
+            run("rpc_parameter_server.py", "--world_size=2", f"--rank={rank}", "--master_port", no_mnist_port,
+                env=no_network, cwd=no_mnist) for rank in (0, 1)])),
+        (1, case("a bad flag value", lambda: run("rpc_rnn_model_parallel.py", "--epochs=0"))),
+        (2, case("an exception inside an RPC", lambda: [run(buggy, *common, f"--rank={rank}") for rank in (0, 1)])),
+    ]
+    if gpus <= 2:  # --num_gpus allows at most 2
+        cases.append((3, case("a GPU that is not there", lambda: run(
+            "rpc_parameter_server.py", "--world_size=2", f"--num_gpus={gpus}", "--master_port", free_port()))))
     try:
-        act_when_ready(([runs[STOPS[0]]], lambda: launched_ranks(runs[STOPS[0]]), interrupt),  # its first rank
-                       ([runs[STOPS[1]]], lambda: len(launched_ranks(runs[STOPS[1]])) >= 2, kill_launcher),
-                       ([runs[STOPS[2]]], lambda: "Training done for epoch 1 loss" in runs[STOPS[2]].out,
-                        trainer_raised),
-                       (runs["an observer killed"], lambda: "Episode 2\t" in agent.out, kill_observer))
-        wait_all(started, HANG)
-        for how in STOPS:
-            runs[how].gone = gone(runs[how], runs[how].stopped)
+        side_by_side(cases)
         yield runs
     finally:
         holder.close()
@@ -166,8 +178,8 @@ def test_a_gpu_that_is_not_there(failure_runs):
     # The parameter server alone knows its GPUs: it says so at once, not after waiting for its trainer. Its line
     # and the launcher's, on the port given, are all that the user reads: the trainer, still waiting to meet,
     # is stopped without a line of torch's logger.
-    proc = failure_runs["a GPU that is not there"]
-    if proc is False:
+    proc = failure_runs.get("a GPU that is not there")
+    if proc is None:
         pytest.skip("this host has 2 GPUs or more: --num_gpus allows at most 2")
     gpus = torch.cuda.device_count()
     assert_one_line(proc, f"Error on rank 0 (parameter_server): ValueError: --num_gpus {gpus + 1} is more GPUs "
