@@ -212,8 +212,13 @@ def deadline(rank, args):
     timer = threading.Timer(5 * args.timeout, fail, (
         rank, args, f"not all {args.world_size} ranks met at port {args.master_port}"))
     timer.start()
-    # torch's own meeting fails unexplained on two world sizes
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's holds it
+    if rank == 0 and not agent:  # in our words: torch's for a port in use vary by release
+        try:
+            bound(args.master_port).close()
+        except OSError as exc:
+            fail(rank, args, f"cannot listen on port {args.master_port} ({exc.strerror})")
+    # torch's own meeting fails unexplained on two world sizes
     store = dist.TCPStore(args.master_addr, args.master_port, is_master=rank == 0 and not agent,
                           timeout=datetime.timedelta(seconds=9 * args.timeout), multi_tenant=True)
     store.add("came", 1)  # before rank 0 reads sizes
@@ -228,7 +233,10 @@ def deadline(rank, args):
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "You are using a Backend")  # torch's own use of it
         yield
-    tell_peers(rank, args)  # a failed first connection aborts TensorPipe (moolib#34)
+    try:
+        tell_peers(rank, args)  # a failed first connection aborts TensorPipe (moolib#34)
+    except RuntimeError:  # get_worker_info's: no peer of that name
+        fail(rank, args, f"ranks of two scripts met at port {args.master_port}")
     timer.cancel()
 
 
@@ -255,6 +263,17 @@ def wait_for_peers(rank, args):
     while len(done_ranks) < args.world_size:
         time.sleep(1)
         tell_peers(rank, args, True)
+    # and for a peer lost within it
+    timer = threading.Timer(args.timeout, fail, (rank, args, "lost a peer in rpc.shutdown()"))
+    timer.daemon = True
+    timer.start()
+
+
+def bound(port):  # SO_REUSEADDR, as torch's store binds: rank 0 can still listen on it
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("", port))
+    return sock
 
 
 def describe(exc, args):
@@ -263,7 +282,7 @@ def describe(exc, args):
     if where and cause:
         return "rank {} ({}): {}".format(*where[-1], cause[0])
     if isinstance(exc, socket.gaierror):
-        return f"{args.master_addr}: {exc.strerror}"
+        return f"cannot resolve --master_addr {args.master_addr} ({exc.strerror})"
     return f"{type(exc).__name__}: {head}".splitlines()[0]
 
 
@@ -332,10 +351,8 @@ def main():
         print(f"Rank {args.rank} waits {5 * args.timeout:g} s for all {args.world_size} ranks at "
               f"{args.master_addr}:{args.master_port}", file=sys.stderr)
         return run_rank(args.rank, args)
-    if not args.master_port:  # a free one, bound till we exit: rank 0 binds it too (REUSEADDR)
-        held = socket.socket()
-        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        held.bind(("", 0))
+    if not args.master_port:  # a free one, held till we exit
+        held = bound(0)
         args.master_port = held.getsockname()[1]
     print(f"Starting {args.world_size} ranks on port {args.master_port}", flush=True)
     try:
@@ -350,7 +367,10 @@ def main():
     except (mp.ProcessExitedException, KeyboardInterrupt) as exc:
         for process in mp.active_children():
             process.kill()
-        sys.exit(f"{str(exc) or 'Interrupted'}: stopped every rank.")
+        if isinstance(exc, KeyboardInterrupt):
+            sys.exit("Interrupted: stopped every rank.")
+        how = exc.signal_name or f"exit code {exc.exit_code}"
+        sys.exit(f"Rank {exc.error_index} ended ({how}): stopped every rank.")
 
 
 if __name__ == "__main__":
