@@ -7,6 +7,7 @@ layer in sync with DDP and look up a table on the parameter server (N-1); the ma
 import argparse
 import contextlib
 import datetime
+import fcntl
 import logging
 import math
 import os
@@ -20,7 +21,7 @@ import traceback
 import warnings
 from multiprocessing import resource_tracker
 
-if __name__ == "__main__":  # before torch starts threads that would inherit it
+if __name__ == "__main__":  # before torch starts threads that would inherit it; main() unblocks
     signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
     if "--debug" not in sys.argv:
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # no C++ log lines
@@ -50,11 +51,9 @@ class HybridModel(torch.nn.Module):
     def __init__(self, remote_emb_module, device):
         super().__init__()
         self.remote_emb_module = remote_emb_module
-        # The tutorial's cuda:rank only if every trainer has one: DDP can't mix CUDA and CPU.
-        if isinstance(device, int):
-            has_gpu = torch.tensor(int(torch.cuda.device_count() > device))
-            dist.all_reduce(has_gpu, op=dist.ReduceOp.MIN)
-            device = device if has_gpu else "cpu"
+        # The tutorial's cuda:device where this host has it, else the CPU.
+        if isinstance(device, int) and torch.cuda.device_count() <= device:
+            device = "cpu"
         self.device = torch.device(device)
         # No device_ids: DDP takes the module's device, CPU or CUDA.
         self.fc = DDP(torch.nn.Linear(16, 8).to(self.device))
@@ -64,8 +63,9 @@ class HybridModel(torch.nn.Module):
         return self.fc(emb_lookup.to(self.device))
 
 
-def _run_trainer(remote_emb_module, rank, epochs=100):  # the tutorial's 100
-    model = HybridModel(remote_emb_module, rank)
+# Returns its losses and weights, which the tutorial's doesn't: the master prints them.
+def _run_trainer(remote_emb_module, rank, epochs=100, device=None):  # the tutorial's 100, rank
+    model = HybridModel(remote_emb_module, rank if device is None else device)
 
     # Retrieve parameters for embedding table.
     model_parameter_rrefs = model.remote_emb_module.remote_parameters()
@@ -126,6 +126,10 @@ def run_worker(rank, world_size, args):
             "ps", torch.nn.EmbeddingBag, args=(NUM_EMBEDDINGS, EMBEDDING_DIM),
             kwargs={"mode": "sum"})
 
+        # cuda:rank only if every trainer has it: DDP can't mix CUDA and CPU replicas.
+        gpus = [rpc.rpc_sync(worker_name(r, world_size), torch.cuda.device_count) for r in trainers]
+        device = None if all(n > r for r, n in zip(trainers, gpus)) else "cpu"
+
         # Run the training loop on trainers.
         start = time.perf_counter()
         futs = []
@@ -133,7 +137,7 @@ def run_worker(rank, world_size, args):
             trainer_name = worker_name(trainer_rank, world_size)
             # No RPC timeout: training outlasts it, and the loop below watches instead.
             fut = rpc.rpc_async(trainer_name, _run_trainer, args=(remote_emb_module, trainer_rank),
-                                kwargs={"epochs": args.epochs}, timeout=0)
+                                kwargs={"epochs": args.epochs, "device": device}, timeout=0)
             futs.append(fut)
 
         # Until all finish or one fails (the tutorial's fut.wait() in turn sits on one trainer).
@@ -237,6 +241,13 @@ def wait_for_peers(rank, args):
     timer.start()
 
 
+@contextlib.contextmanager
+def one_at_a_time():
+    with open(__file__) as lock:  # ranks on one machine, e.g. downloading into one folder
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def bound(port):  # SO_REUSEADDR, as torch's store binds: rank 0 can still listen on it
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -275,6 +286,8 @@ def run_rank(rank, args):
                                if ours in [a.address for a in addrs])
         os.environ["GLOO_SOCKET_IFNAME"] = os.environ["TP_SOCKET_IFNAME"] = args.ifname
         torch.manual_seed(args.seed + rank)  # --seed repeats a run
+        # Freeing 30 MB raises glibc's trim threshold: the parameter server unmapped 25 MB a batch.
+        torch.empty(30 * 2**20, dtype=torch.uint8)
         run_worker(rank, args.world_size, args)
     except Exception as exc:
         if "timeout" not in str(exc):  # a peer ended? name it

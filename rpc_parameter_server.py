@@ -21,7 +21,7 @@ import traceback
 import warnings
 from multiprocessing import resource_tracker
 
-if __name__ == "__main__":  # before torch starts threads that would inherit it
+if __name__ == "__main__":  # before torch starts threads that would inherit it; main() unblocks
     signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
     if "--debug" not in sys.argv:
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # no C++ log lines
@@ -130,8 +130,6 @@ def get_parameter_server(num_gpus=0):
 
 
 def run_parameter_server(rank, world_size, args):
-    # Freeing 30 MB once raises glibc's trim threshold: else it unmaps 25 MB a batch.
-    torch.empty(30 * 2**20, dtype=torch.uint8)
     get_parameter_server(args.num_gpus)  # now: a wrong --num_gpus stops rank 0 at once
     print("PS master initializing RPC")
     # 4 RPC threads, not 16: passes run one at a time, and idle threads cost.
@@ -213,7 +211,8 @@ def run_worker(rank, world_size, args):
                      rpc_backend_options=backend_options(args))
     print(f"Worker {rank} done initializing RPC")
     # After init_rpc, unlike the tutorial: a download delays no peer's meeting.
-    train_loader, test_loader = load_mnist(args)
+    with one_at_a_time():
+        train_loader, test_loader = load_mnist(args)
     run_training_loop(rank, args.num_gpus, train_loader, test_loader, epochs=args.epochs)
     wait_for_peers(rank, args)
     rpc.shutdown(timeout=args.timeout)
@@ -224,19 +223,16 @@ def load_mnist(args):
 
     transform = transforms.Compose(
         [transforms.ToTensor(), transforms.Normalize((0.1307,), (0.3081,))])
-    with open(__file__) as lock:  # else trainers started together download into one file
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            train_set = datasets.MNIST(args.data_dir, train=True, download=True,
-                                       transform=transform)
-        except RuntimeError as exc:
-            for empty in "MNIST/raw", "MNIST", "":  # the folders left empty
-                with contextlib.suppress(OSError):
-                    os.rmdir(os.path.join(args.data_dir, empty))
-            cause = str(exc).strip().splitlines()[-1]
-            raise RuntimeError(f"cannot download MNIST into {args.data_dir} ({cause}); give "
-                               "--data_dir a folder that holds MNIST/raw/") from None
-        test_set = datasets.MNIST(args.data_dir, train=False, transform=transform)
+    try:
+        train_set = datasets.MNIST(args.data_dir, train=True, download=True, transform=transform)
+    except RuntimeError as exc:
+        for empty in "MNIST/raw", "MNIST", "":  # the folders left empty
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.join(args.data_dir, empty))
+        cause = str(exc).strip().splitlines()[-1]
+        raise RuntimeError(f"cannot download MNIST into {args.data_dir} ({cause}); give "
+                           "--data_dir a folder that holds MNIST/raw/") from None
+    test_set = datasets.MNIST(args.data_dir, train=False, transform=transform)
     # Shuffled by the generator run_worker seeds: --seed repeats a trainer's order.
     train_loader = torch.utils.data.DataLoader(train_set, batch_size=32, shuffle=True)
     test_loader = torch.utils.data.DataLoader(test_set, batch_size=32, shuffle=True)
@@ -330,6 +326,13 @@ def wait_for_peers(rank, args):
     timer.start()
 
 
+@contextlib.contextmanager
+def one_at_a_time():
+    with open(__file__) as lock:  # ranks on one machine, e.g. downloading into one folder
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def bound(port):  # SO_REUSEADDR, as torch's store binds: rank 0 can still listen on it
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -368,6 +371,8 @@ def run_rank(rank, args):
                                if ours in [a.address for a in addrs])
         os.environ["GLOO_SOCKET_IFNAME"] = os.environ["TP_SOCKET_IFNAME"] = args.ifname
         torch.manual_seed(args.seed + rank)  # --seed repeats a run
+        # Freeing 30 MB raises glibc's trim threshold: the parameter server unmapped 25 MB a batch.
+        torch.empty(30 * 2**20, dtype=torch.uint8)
         run_worker(rank, args.world_size, args)
     except Exception as exc:
         if "timeout" not in str(exc):  # a peer ended? name it

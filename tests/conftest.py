@@ -392,7 +392,8 @@ VANISHING = [("ddp_rpc_hybrid.py", 4, ["--epochs", 100000], 1, "Training done fo
 def gpu_host(folder):
     """A copy of ddp_rpc_hybrid.py for a host that says it has two GPUs (it has none: a trainer that believes
     it and puts its replica on cuda:0 fails)."""
-    return changed_copy(folder, "ddp_rpc_hybrid.py", "torch.cuda.device_count() > device", "2 > device")
+    return changed_copy(folder, "ddp_rpc_hybrid.py", "import torch\n",
+                        "import torch\ntorch.cuda.device_count = lambda: 2\n")
 
 
 def torchrun(addr, endpoint, nproc):

@@ -15,7 +15,10 @@ import torch.multiprocessing as mp
 
 PORT, MNIST_ROOT = sys.argv[1], sys.argv[2]
 with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "rpc_parameter_server.py")) as source:
-    exec(source.read().split("# --------- Launching ranks")[0])  # the copy
+    COPY = source.read().split("# --------- Launching ranks")[0]
+CELL = {"__name__": __name__}  # the copy's globals, as a notebook cell's: no __file__
+exec(COPY, CELL)
+globals().update(CELL)  # where pickles of its functions find them, for RPC and mp.spawn
 
 
 def run_worker(rank, world_size):
@@ -27,14 +30,8 @@ def run_worker(rank, world_size):
         rpc.init_rpc("parameter_server", rank=rank, world_size=world_size, rpc_backend_options=options)
     else:
         rpc.init_rpc(f"trainer_{rank}", rank=rank, world_size=world_size, rpc_backend_options=options)
-        from torchvision import datasets, transforms
-
-        transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize((0.1307,), (0.3081,))])
-        train = datasets.MNIST(MNIST_ROOT, train=True, transform=transform)
-        test = datasets.MNIST(MNIST_ROOT, train=False, transform=transform)
-        train_loader = torch.utils.data.DataLoader(train, batch_size=16, shuffle=True)
-        test_loader = torch.utils.data.DataLoader(test, batch_size=16)
-        run_training_loop(rank, 0, train_loader, test_loader)  # noqa: F821 (from the copy)
+        train_loader, test_loader = load_mnist(argparse.Namespace(data_dir=MNIST_ROOT))  # noqa: F821 (the copy's)
+        run_training_loop(rank, 0, train_loader, test_loader)  # noqa: F821
         print(f"Copied: trainer {rank} trained")
     rpc.shutdown()
 

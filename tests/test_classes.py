@@ -1,9 +1,10 @@
 """The tutorial classes and helpers as a learner copies them into a program of their own: the part of each script
 above its "Launching ranks" banner, without the plumbing, so that a class that needs it fails with a NameError,
-and with the tutorials' own calls. Each check runs in an RPC group of one: a freshly spawned process named like
+and without the script's file (a module of its own, as a notebook cell has none), with the tutorials' own calls. Each check runs in an RPC group of one: a freshly spawned process named like
 the parameter server, so that the classes' RPCs to that worker land in it. RPC starts once per process, so one
 such process runs every check of this module, and each test reads its result. (The parameter server with two
 trainers, in processes of their own: tests/learner.py.)"""
+import argparse
 import functools
 import multiprocessing
 import sys
@@ -16,7 +17,9 @@ import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch.distributed.rpc import PyRRef  # RRefs that come back over RPC are PyRRef, the base of RRef
 
-from conftest import ROOT, free_port
+from conftest import MNIST_TEST, MNIST_TRAIN, ROOT, free_port
+
+MNIST_ROOT = None  # the spawned process's tiny MNIST (run_checks)
 
 
 @functools.cache
@@ -41,6 +44,11 @@ def check_get_accuracy_evaluates_the_remote_model_in_eval_mode():
     ps.get_accuracy(loader, net)
     assert ps.param_server.model.training is False, "get_accuracy's forward passes ran the remote model in train mode"
     assert torch.equal(net(batch), net(batch)), "the same batch must give the same output in evaluation"
+
+
+def check_load_mnist_needs_no_script_file():
+    loaders = copied("rpc_parameter_server").load_mnist(argparse.Namespace(data_dir=MNIST_ROOT))
+    assert [len(loader.dataset) for loader in loaders] == [MNIST_TRAIN, MNIST_TEST]
 
 
 def check_finish_episode_returns_and_loss():
@@ -166,15 +174,18 @@ def check_batch_agent_answers_observers_once_all_states_are_in():
     assert agent.saved_log_probs[0].shape == (2,)
 
 
-CHECKS = [check_get_accuracy_evaluates_the_remote_model_in_eval_mode, check_finish_episode_returns_and_loss,
+CHECKS = [check_get_accuracy_evaluates_the_remote_model_in_eval_mode, check_load_mnist_needs_no_script_file,
+          check_finish_episode_returns_and_loss,
           check_observer_calls_the_agent_twice_per_step, check_rnn_parts_take_the_tutorials_calls_and_train,
           check_hybrid_model_takes_a_rank_a_string_or_a_device,
           check_batch_parameter_server_answers_each_trainer_once_all_have_reported,
           check_batch_agent_answers_observers_once_all_states_are_in]
 
 
-def run_checks(port, results):
+def run_checks(port, mnist_root, results):
     """In the spawned process: the RPC group of one, then each check, its traceback sent back if it failed."""
+    global MNIST_ROOT
+    MNIST_ROOT = mnist_root
     options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", _transports=["uv"])
     rpc.init_rpc("parameter_server", rank=0, world_size=1, rpc_backend_options=options)
     for check in CHECKS:
@@ -183,15 +194,16 @@ def run_checks(port, results):
             results.send((check.__name__, None))
         except BaseException:
             results.send((check.__name__, traceback.format_exc()))
+    rpc.shutdown()
     results.close()
 
 
 @pytest.fixture(scope="module")
-def checks():
+def checks(tiny_mnist):
     """{check name: None, or why it failed}. Spawned, not forked: a process that may use CUDA."""
     context = multiprocessing.get_context("spawn")
     answers, results = context.Pipe(duplex=False)
-    helper = context.Process(target=run_checks, args=(free_port(), results), daemon=True)
+    helper = context.Process(target=run_checks, args=(free_port(), str(tiny_mnist), results), daemon=True)
     helper.start()
     results.close()
     done = {}
