@@ -185,10 +185,11 @@ class Agent:
         return ep_rewards, self.running_reward
 
 
+# The tutorial's run_worker(rank, world_size, n_episode, batch, print_log) takes flags here; its
+# main() times world sizes 2 to 10, batch and not, as benchmarks/bench_batch_cartpole.py does.
 def run_worker(rank, world_size, args):
     torch.set_num_threads(1)  # tiny ops: more threads only spin against other ranks
-    # One RPC thread on the agent: autograd sums gradients in an order that follows threads.
-    options = backend_options(args, num_worker_threads=1 if rank == 0 else 16)
+    options = backend_options(args, num_worker_threads=args.agent_threads if rank == 0 else 16)
     with deadline(rank, args):
         rpc.init_rpc(worker_name(rank, world_size), rank=rank, world_size=world_size,
                      rpc_backend_options=options)
@@ -225,6 +226,9 @@ def parse_args(argv=None):  # the tutorial parses at import
     add("--n_steps", type=number(int, 1), default=NUM_STEPS, help="Steps per observer and episode.")
     add("--batch", action=argparse.BooleanOptionalAction, default=True,
         help="One policy run for all observers' states (--no-batch: one per state).")
+    # Autograd sums gradients in an order that follows the threads that built the graph.
+    add("--agent_threads", type=number(int, 1), default=1,
+        help="The agent's RPC threads: 1 repeats a --seed, the tutorial has torch's 16.")
     return parse_common(parser, argv, world_size=2, least=2)  # an agent and an observer
 
 

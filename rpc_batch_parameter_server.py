@@ -1,6 +1,6 @@
 """The tutorial "Implementing Batch RPC Processing Using Asynchronous Executions", part 1
-(https://pytorch.org/tutorials/intermediate/rpc_async_execution.html): rank 0 updates the model
-once every other rank, a trainer, has sent its gradients.
+(https://pytorch.org/tutorials/intermediate/rpc_async_execution.html): rank 0 steps the model
+once every trainer, every other rank, has sent gradients.
 
     python rpc_batch_parameter_server.py  # every rank; or one terminal each, with --rank=R
 """
@@ -38,13 +38,14 @@ batch_size, image_w, image_h, num_classes, batch_update_size = 20, 64, 64, 30, 5
 
 class BatchUpdateParameterServer(object):
     def __init__(self, batch_update_size=batch_update_size):
-        # A small net, lr 2: the tutorial's ResNet-50 takes seconds a batch on a CPU.
+        # A small net: the tutorial's ResNet-50 takes seconds a batch on CPUs.
         self.model = nn.Sequential(nn.AvgPool2d(4), nn.Flatten(), nn.Linear(768, 64), nn.ReLU(),
                                    nn.Linear(64, num_classes))
         self.lock = threading.Lock()
         self.future_model = torch.futures.Future()
         self.batch_update_size = batch_update_size
         self.curr_update_size = 0
+        # lr 2, not 0.001: MSE over 30 outputs has small gradients.
         self.optimizer = optim.SGD(self.model.parameters(), lr=2, momentum=0.9)
         for p in self.model.parameters():
             p.grad = torch.zeros_like(p)
@@ -60,7 +61,7 @@ class BatchUpdateParameterServer(object):
             self.curr_update_size += 1
             for p, g in zip(self.model.parameters(), grads):
                 p.grad += g
-            # This call's model, even if another thread replaces future_model before it returns
+            # This call's future, even if another thread replaces it before we return
             fut = self.future_model
             if self.curr_update_size >= self.batch_update_size:
                 for p in self.model.parameters():
@@ -68,7 +69,7 @@ class BatchUpdateParameterServer(object):
                 self.curr_update_size = 0
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=False)  # the tutorial's None breaks +=
-                fut.set_result(self.model)  # answers every call that waits for it
+                fut.set_result(self.model)
                 self.future_model = torch.futures.Future()
         return fut
 
@@ -77,7 +78,7 @@ class Trainer(object):
     def __init__(self, ps_rref):
         self.ps_rref, self.loss_fn = ps_rref, torch.nn.MSELoss()
         self.device = "cuda" if torch.cuda.is_available() else "cpu"  # the tutorial's: cuda
-        # Each class an image of its own, in every trainer: the tutorial's noise teaches nothing.
+        # An image per class, the same in every trainer: the tutorial's noise teaches nothing.
         self.images = torch.randn(num_classes, 3, image_w, image_h,
                                   generator=torch.Generator().manual_seed(0))
 
@@ -112,11 +113,12 @@ def run_trainer(ps_rref, batches=6):
 
 def run_ps(trainers, batches=6):
     start = time.perf_counter()
+    # All trainers' gradients: the tutorial's fixed 5 fits its 5 trainers only.
     ps_rref = rpc.RRef(BatchUpdateParameterServer(batch_update_size=len(trainers)))
     futs = []
     for trainer in trainers:  # timeout=0 (none): training outlasts an RPC's timeout
         futs.append(rpc.rpc_async(trainer, run_trainer, args=(ps_rref, batches), timeout=0))
-    losses = torch.tensor(torch.futures.wait_all(futs)).mean(0)  # per batch, of all trainers
+    losses = torch.tensor(torch.futures.wait_all(futs)).mean(0)
     seconds = time.perf_counter() - start
     print(f"Summary: trainers={len(trainers)} batches={batches} seconds={seconds:.2f} "
           f"first_loss={losses[0]:.4f} final_loss={losses[-1]:.4f}")
@@ -137,7 +139,7 @@ def worker_name(rank, world_size):
     return f"trainer{rank}" if rank else "ps"
 
 
-def parse_args(argv=None):  # the tutorial has no flags
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                                      allow_abbrev=False)
     parser.add_argument("--batches", type=number(int, 1), default=40,

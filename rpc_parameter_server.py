@@ -96,7 +96,8 @@ class ParameterServer(nn.Module):
 
     def forward(self, inp, training=True):
         inp = inp.to(self.input_device)
-        # On clones, one at a time: the tutorial's live weights fail a backward (examples#856).
+        # On clones: the tutorial's pass saves the live weights, which another trainer's step
+        # changes before this pass's backward (examples#856). One at a time: each sets the mode.
         with self.forward_lock, torch.set_grad_enabled(training):
             self.model.train(training)
             weights = {name: param.clone() for name, param in self.model.named_parameters()}
@@ -120,7 +121,8 @@ global_lock = threading.Lock()
 
 def get_parameter_server(num_gpus=0):
     global param_server
-    if num_gpus > torch.cuda.device_count():  # the tutorial would use the CPU unnoticed
+    # At once: the tutorial's Net uses the CPU unnoticed, or fails later on a missing cuda:1.
+    if num_gpus > torch.cuda.device_count():
         raise ValueError(f"--num_gpus {num_gpus} is more GPUs than the parameter server has "
                          f"({torch.cuda.device_count()})")
     with global_lock:  # only one handle to the ParameterServer

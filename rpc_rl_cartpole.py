@@ -110,7 +110,8 @@ class Agent:
     def run_episode(self):
         futs = []
         for ob_rref in self.ob_rrefs:
-            # one call each, where the tutorial's rpc_async of _call_method makes two
+            # One RPC: the tutorial's rpc_async of ob_rref.rpc_sync().run_episode makes the observer
+            # call itself a second time.
             futs.append(ob_rref.rpc_async().run_episode(self.agent_rref))
 
         # until all finish or one fails (the tutorial's fut.wait() in turn sits on one)

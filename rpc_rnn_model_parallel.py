@@ -62,7 +62,7 @@ class Decoder(nn.Module):
 
 
 # The tutorial's _remote_method(method_rref, ...) is handed a method first and fails: a function
-# has no local_value(). These two, of its part 1, run the method on the RRef's owner.
+# has no local_value(). These two, as in pytorch/examples' rnn.py, run it on the RRef's owner.
 def _call_method(method, rref, *args, **kwargs):
     return method(rref.local_value(), *args, **kwargs)
 
@@ -114,8 +114,7 @@ def run_trainer(epochs=10):  # the tutorial's 10
     # One wider LSTM layer, no dropout: the tutorial's 2, 3, 4 layers, 0.5 barely learn.
     ninp, nhid, nlayers, dropout = 128, 256, 1, 0.0
     nindices = 3
-    # Zeros, where the tutorial draws the initial hidden state at random
-    hidden = (torch.zeros(nlayers, nindices, nhid), torch.zeros(nlayers, nindices, nhid))
+    hidden = (torch.randn(nlayers, nindices, nhid), torch.randn(nlayers, nindices, nhid))
 
     model = RNNModel("ps", ntoken, ninp, nhid, nlayers, dropout)
 
@@ -135,10 +134,10 @@ def run_trainer(epochs=10):  # the tutorial's 10
         losses = []
         for data, target in get_next_batch():
             with dist_autograd.context() as context_id:
-                # the tutorial's detach_(), not in place
                 hidden = (hidden[0].detach(), hidden[1].detach())
                 output, hidden = model(data, hidden)
-                loss = criterion(output.view(-1, ntoken), target.reshape(-1))  # (N, C), (N,)
+                # Logits last: CrossEntropyLoss reads dim 1, the tutorial's nindices, as classes.
+                loss = criterion(output.view(-1, ntoken), target.reshape(-1))
                 dist_autograd.backward(context_id, [loss])
                 opt.step(context_id)  # no zero_grad: each context holds its own grads
             losses.append(loss.item())
