@@ -41,15 +41,15 @@ RNN_EPOCHS = 10  # the default: the smoke run is the README's command as written
 DDP_EPOCHS = 2
 BATCHES = ["--batches=20"]  # the batch parameter server's smoke runs: twice its tutorial's 6
 BATCH_RL = ["--num_episode=3", "--n_steps=50"]  # the batch CartPole's: 3 short episodes
-SLOW = 30  # seconds that the slow agent's fifth select_action takes; its observer's --timeout is half that
-VANISH_TIMEOUT = 30  # --timeout of the runs whose machine vanishes: 5x to meet, as two suites at once need
+SLOW = 20  # seconds that the slow agent's fifth select_action takes; its observer's --timeout is half that
+VANISH_TIMEOUT = 20  # --timeout of the runs whose machine vanishes: 5x to meet, as two suites at once need
 SIZES_TIMEOUT = 30  # --timeout of the ranks of two world sizes: room to arrive on a loaded machine, not a bound
 
 TIMING_FIGURES = {"seconds", "ms_per_batch", "us_per_step"}  # Summary figures that vary from run to run
 HANG = 600  # a test's own limit on a run: only keeps a hang from running forever
 # The processes of the suite's runs alive at once: each holds 0.3-0.4 GB with torch's CUDA build, so that one suite
 # fits in 6 GB (a CI runner of 7 GB); more would only share the cores.
-PROCESSES = 12
+PROCESSES = 13
 
 
 _reserved = []  # the sockets that hold free_port's ports for the whole session

@@ -25,7 +25,7 @@ HANG = TIMEOUT + 60  # a test's own limit: far above what the scripts promise
 # wait included (10.8 s alone, 52.6 s side by side).
 AT_ONCE = 60
 LONE = 1  # --timeout of the ranks whose peers never answer: they wait 5 s to meet
-LOST = 20  # --timeout of the ranks of a run whose rank 0 vanishes in rpc.shutdown(): room to meet, then a bound
+LOST = 10  # --timeout of the ranks of a run whose rank 0 vanishes in rpc.shutdown(): room to meet, then a bound
 LONE_BOUND = 5 * LONE + 115
 
 
