@@ -243,6 +243,17 @@ def when(runs, condition):
         time.sleep(0.001)
 
 
+def named_case(runs, name, begin, act=None, limit=HANG):
+    """A case for side_by_side: runs[name] = begin(), a run or a list of them; act(runs[name]) if given; then wait
+    for every process to end, `limit` s at most."""
+    def run_case():
+        runs[name] = begin()
+        if act:
+            act(runs[name])
+        wait_all(runs[name] if isinstance(runs[name], list) else [runs[name]], limit)
+    return run_case
+
+
 _room = threading.Condition()  # the room left for processes (PROCESSES), and the cases waiting for it in turn
 _free, _waiting = [PROCESSES], []
 
@@ -466,14 +477,7 @@ def shared_runs(tmp_path_factory, tiny_mnist):
         return start(*args, **kwargs)
 
     def case(name, begin, act=None):
-        """A case of side_by_side: runs[name] = begin(), a run or a list of them; then act(runs[name]); then wait
-        for them all to end."""
-        def run_case():
-            runs[name] = begin()
-            if act:
-                act(runs[name])
-            wait_all(runs[name] if isinstance(runs[name], list) else [runs[name]])
-        return run_case
+        return named_case(runs, name, begin, act)
 
     def kill_trainer(ranks):
         when(ranks, lambda: "trainer1 batch 20 " in ranks[1].out)

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (Run, assert_no_traceback, changed_copy, error_lines, free_port, one_error_line, side_by_side,
-                      stop_all, wait_all, when)
+from conftest import (Run, assert_no_traceback, changed_copy, error_lines, free_port, named_case, one_error_line,
+                      side_by_side, stop_all, wait_all, when)
 
 TIMEOUT = 120  # --timeout of the runs that fail: a dead peer is noticed at once, a busy machine is no failure
 HANG = TIMEOUT + 60  # a test's own limit: far above what the scripts promise
@@ -72,14 +72,7 @@ def failure_runs(tmp_path_factory):
         return started[-1]
 
     def case(name, begin, act=None):
-        """A case of side_by_side: runs[name] = begin(), a run or its ranks; act(run) once it is under way; then
-        wait for every process to end."""
-        def run_case():
-            runs[name] = begin()
-            if act:
-                act(runs[name])
-            wait_all(runs[name] if isinstance(runs[name], list) else [runs[name]], HANG)
-        return run_case
+        return named_case(runs, name, begin, act, HANG)
 
     holder = socket.socket()  # a plain program that listens on a port and never answers
     holder.bind(("127.0.0.1", 0))
@@ -188,8 +181,7 @@ def test_a_port_in_use(failure_runs):
 def test_an_address_that_does_not_resolve(failure_runs):
     # At once, with the address, not a traceback of the name lookup.
     proc = failure_runs["an address that does not resolve"]
-    # The resolver's own words in brackets vary by host ("Name or service not known", "Temporary failure in name
-    # resolution" where no resolver answers).
+    # The resolver's own words in brackets vary by host, and by whether a resolver answers at all.
     assert_one_line(proc, "Error on rank 1 (trainer): cannot resolve --master_addr nosuch.host.invalid (")
     assert proc.seconds < LONE_BOUND, proc
 
