@@ -186,7 +186,7 @@ class Agent:
 
 
 # The tutorial's run_worker(rank, world_size, n_episode, batch, print_log) takes flags here; its
-# main() times world sizes 2 to 10, batch and not, as benchmarks/bench_batch_cartpole.py does.
+# main() times world sizes 2 to 11, batch and not, as benchmarks/bench_batch_cartpole.py does.
 def run_worker(rank, world_size, args):
     torch.set_num_threads(1)  # tiny ops: more threads only spin against other ranks
     options = backend_options(args, num_worker_threads=args.agent_threads if rank == 0 else 16)
