@@ -6,10 +6,10 @@ several trainers do (the other classes, in one process: tests/test_classes.py).
 
     python learner.py PORT MNIST_ROOT
 """
+import argparse
 import os
 import sys
 
-import torch
 import torch.distributed.rpc as rpc
 import torch.multiprocessing as mp
 
