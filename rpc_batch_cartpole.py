@@ -19,12 +19,9 @@ import threading
 import time
 import traceback
 import warnings
-from multiprocessing import resource_tracker
 
-if __name__ == "__main__":  # before torch starts threads that would inherit it; main() unblocks
-    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
-    if "--debug" not in sys.argv:
-        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # no C++ log lines
+if __name__ == "__main__" and "--debug" not in sys.argv:  # torch reads it as it loads
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
 
 import gymnasium as gym  # the tutorial's gym is no longer maintained
 import psutil
@@ -190,7 +187,7 @@ class Agent:
 def run_worker(rank, world_size, args):
     torch.set_num_threads(1)  # tiny ops: more threads only spin against other ranks
     options = backend_options(args, num_worker_threads=args.agent_threads if rank == 0 else 16)
-    with deadline(rank, args):
+    with meeting(rank, args):
         rpc.init_rpc(worker_name(rank, world_size), rank=rank, world_size=world_size,
                      rpc_backend_options=options)
     if rank == 0:
@@ -221,13 +218,14 @@ def parse_args(argv=None):  # the tutorial parses at import
         epilog="Rank 0 is the agent, every other rank an observer.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
     add = parser.add_argument
-    add("--gamma", type=number(float, 0, 1), default=1.0, help="Discount factor.")
-    add("--num_episode", "--num-episode", type=number(int, 1), default=10, help="Episodes.")
-    add("--n_steps", type=number(int, 1), default=NUM_STEPS, help="Steps per observer and episode.")
+    add("--gamma", type=in_range(float, 0, 1), default=1.0, help="Discount factor.")
+    add("--num_episode", "--num-episode", type=in_range(int, 1), default=10, help="Episodes.")
+    add("--n_steps", type=in_range(int, 1), default=NUM_STEPS,
+        help="Steps per observer and episode.")
     add("--batch", action=argparse.BooleanOptionalAction, default=True,
         help="One policy run for all observers' states (--no-batch: one per state).")
     # Autograd sums gradients in an order that follows the threads that built the graph.
-    add("--agent_threads", type=number(int, 1), default=1,
+    add("--agent_threads", type=in_range(int, 1), default=1,
         help="The agent's RPC threads: 1 repeats a --seed, the tutorial has torch's 16.")
     return parse_common(parser, argv, world_size=2, least=2)  # an agent and an observer
 
@@ -235,130 +233,125 @@ def parse_args(argv=None):  # the tutorial parses at import
 # --------- Launching ranks (not in the tutorials) --------------------
 def backend_options(args, **kwargs):
     # TCP only: shared memory busy-polls (private: pytorch/pytorch#33982).
-    return rpc.TensorPipeRpcBackendOptions(
-        init_method=f"tcp://{args.master_addr}:{args.master_port}", rpc_timeout=args.timeout,
-        _transports=["uv"], **kwargs)
+    return rpc.TensorPipeRpcBackendOptions(rpc_timeout=args.timeout, _transports=["uv"], **kwargs)
 
 
 @contextlib.contextmanager
-def deadline(rank, args):
-    # torch waits 30 min for a lost rank, forever on a silent port
-    timer = threading.Timer(5 * args.timeout, fail, (
-        rank, args, f"not all {args.world_size} ranks met at port {args.master_port}"))
-    timer.start()
-    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's holds it
-    if rank == 0 and not agent:  # in our words: torch's for a port in use vary by release
-        try:
-            bound(args.master_port).close()
-        except OSError as exc:
-            fail(rank, args, f"cannot listen on port {args.master_port} ({exc.strerror})")
-    # torch's own meeting fails unexplained on two world sizes
-    store = dist.TCPStore(args.master_addr, args.master_port, is_master=rank == 0 and not agent,
-                          timeout=datetime.timedelta(seconds=9 * args.timeout), multi_tenant=True)
-    store.add("came", 1)  # before rank 0 reads sizes
-    store.set(str(rank), str(args.world_size))
-    for peer in range(args.world_size):
-        sizes = sorted({int(store.get(str(peer))), args.world_size})
-        if len(sizes) > 1:
-            store.add("told", 1)
-            while rank == 0 and store.add("told", 0) < max(store.add("came", 0), args.world_size):
-                time.sleep(0.1)  # the store lives here: all read it first
-            fail(rank, args, "ranks of --world_size {} and {} met".format(*sizes))
+def meeting(rank, args):
+    # Torch's own meeting fails unexplained when ranks of two world sizes or scripts meet.
+    ours, size = " ".join(args.names), args.world_size
+    for peer in range(size if args.store else 0):  # each rank's roles, or why it stopped
+        args.store.set(str(rank), ours)
+        theirs = args.store.get(str(peer)).decode()
+        n = len(theirs.split())
+        if theirs != ours:
+            stop(rank, args, theirs if theirs.startswith("rank ") else
+                 f"ranks of --world_size {min(n, size)} and {max(n, size)} met" if n != size else
+                 f"ranks of two scripts met at port {args.master_port}")
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "You are using a Backend")  # torch's own use of it
+        warnings.filterwarnings("ignore", "You are using a Backend")  # init_rpc's own use of it
         yield
-    try:
-        tell_peers(rank, args)  # a failed first connection aborts TensorPipe (moolib#34)
-    except RuntimeError:  # get_worker_info's: no peer of that name
-        fail(rank, args, f"ranks of two scripts met at port {args.master_port}")
-    timer.cancel()
+    args.timer.cancel()
+    args.met, args.store = True, None
 
 
-done_ranks = set()
+done, ending = set(), threading.Lock()  # the ranks that said they are done; one line per rank
 
 
-def rank_done(rank, done):
-    if done:
-        done_ranks.add(rank)
+def note_done(rank):
+    done.add(rank)
 
 
-def tell_peers(rank, args, done=False):
-    for peer in range(args.world_size):
-        name = worker_name(peer, args.world_size)
-        to = rpc.get_worker_info(name)  # raises before init_rpc
+def check_peers(rank, args, timeout=None):
+    timeout = timeout or args.timeout
+    for peer, name in enumerate(args.names):
         try:
-            rpc.rpc_sync(to, rank_done, (rank, done))
-        except RuntimeError:
-            fail(rank, args, f"lost contact with rank {peer} ({name})")
+            if peer == 0 < rank:  # its store answers while all its RPC threads are busy
+                socket.create_connection((args.master_addr, args.master_port), timeout).close()
+            elif peer != rank and args.met:
+                rpc.rpc_sync(name, os.getpid, timeout=timeout)
+        except (OSError, RuntimeError):
+            stop(rank, args, f"lost contact with rank {peer} ({name})")
 
 
 def wait_for_peers(rank, args):
-    # rpc.shutdown() waits forever for a dead peer
-    while len(done_ranks) < args.world_size:
+    # rpc.shutdown() waits forever for a peer that died, even one lost within it
+    while len(done) < args.world_size:
+        for name in args.names:  # not waited for: a busy rank 0 reads it later
+            rpc.rpc_async(name, note_done, (rank,))
+        check_peers(rank, args)  # at once: a failed first connection aborts TensorPipe (moolib#34)
         time.sleep(1)
-        tell_peers(rank, args, True)
-    # and for a peer lost within it
-    timer = threading.Timer(args.timeout, fail, (rank, args, "lost a peer in rpc.shutdown()"))
+    timer = threading.Timer(args.timeout, stop, (rank, args, "lost a peer in rpc.shutdown()"))
     timer.daemon = True
     timer.start()
 
 
+def stop(rank, args, why, tell=True):
+    if not ending.acquire(blocking=False):
+        os._exit(1)  # another thread said why
+    line = f"rank {rank} ({args.names[rank]}): {why}"
+    print("Error on", line, file=sys.stderr)
+    with contextlib.suppress(RuntimeError):
+        if tell and args.store and args.rank is not None:  # for the ranks still meeting
+            args.store.set(str(rank), line)
+            args.store.add("stopped", 1)
+            while rank == 0 and args.store.add("stopped", 0) < args.world_size:
+                time.sleep(0.1)  # its store lives here: until every rank has read it
+    time.sleep(2)  # so that peers still checking name the rank that stopped first
+    os._exit(1)  # sys.exit waits for threads stuck on lost peers
+
+
 @contextlib.contextmanager
-def one_at_a_time():
+def machine_lock():
     with open(__file__) as lock:  # ranks on one machine, e.g. downloading into one folder
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
 
 
-def bound(port):  # SO_REUSEADDR, as torch's store binds: rank 0 can still listen on it
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("", port))
-    return sock
-
-
-def describe(exc, args):
+def describe(exc):
     head, _, tail = str(exc).partition("\nTraceback")  # torch's report of an RPC's
     where, cause = re.findall(r"id=(\d+), name=(.*?)\)", head), re.findall(r"^\S.*", tail, re.M)
     if where and cause:
         return "rank {} ({}): {}".format(*where[-1], cause[0])
-    if isinstance(exc, socket.gaierror):
-        return f"cannot resolve --master_addr {args.master_addr} ({exc.strerror})"
     return f"{type(exc).__name__}: {head}".splitlines()[0]
 
 
-def fail(rank, args, why):
-    print(f"Error on rank {rank} ({worker_name(rank, args.world_size)}): {why}", file=sys.stderr)
-    os._exit(1)  # sys.exit waits for threads stuck on lost peers
-
-
 def run_rank(rank, args):
-    signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C ends it even in torch's waits
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
-    if mp.parent_process() and not mp.parent_process().is_alive():
-        os._exit(1)  # its launcher died before torch watched
+    if mp.parent_process() and os.getppid() != mp.parent_process().pid:
+        os._exit(1)  # its launcher ended before torch's parent-death signal was set
     for stream in sys.stdout, sys.stderr:  # whole lines even unbuffered
         stream.reconfigure(line_buffering=True, write_through=False)
+    args.names = [worker_name(peer, args.world_size) for peer in range(args.world_size)]
+    args.met = args.store = None
+    # Torch waits 30 minutes for a rank that never comes, forever on a port that never answers.
+    args.timer = threading.Timer(5 * args.timeout, stop, (
+        rank, args, f"not all {args.world_size} ranks met at port {args.master_port}", False))
+    args.timer.start()
     try:
-        if not args.ifname:  # else torch binds the hostname's address
-            with socket.socket(type=socket.SOCK_DGRAM) as probe:
-                probe.connect((args.master_addr, 1))  # UDP: sends nothing
-                ours = probe.getsockname()[0]
-            args.ifname = next(name for name, addrs in psutil.net_if_addrs().items()
-                               if ours in [a.address for a in addrs])
-        os.environ["GLOO_SOCKET_IFNAME"] = os.environ["TP_SOCKET_IFNAME"] = args.ifname
+        with socket.socket(type=socket.SOCK_DGRAM) as probe:  # UDP: connecting sends nothing
+            probe.connect((args.master_addr, 1))
+            at = probe.getsockname()[0]
+        # The interface that reaches rank 0: else torch binds the hostname's address.
+        args.ifname = args.ifname or next(name for name, addrs in psutil.net_if_addrs().items()
+                                          if at in [a.address for a in addrs])
+        os.environ.update(GLOO_SOCKET_IFNAME=args.ifname, TP_SOCKET_IFNAME=args.ifname,
+                          MASTER_ADDR=args.master_addr, MASTER_PORT=str(args.master_port))
+        if "RANK" not in os.environ:  # else torchrun's agent holds the port
+            args.store = dist.TCPStore(args.master_addr, args.master_port, is_master=rank == 0,
+                                       timeout=datetime.timedelta(days=1), multi_tenant=True)
         torch.manual_seed(args.seed + rank)  # --seed repeats a run
         # Freeing 30 MB raises glibc's trim threshold: the parameter server unmapped 25 MB a batch.
         torch.empty(30 * 2**20, dtype=torch.uint8)
         run_worker(rank, args.world_size, args)
+    except socket.gaierror as exc:
+        stop(rank, args, f"cannot resolve --master_addr {args.master_addr} ({exc.strerror})")
     except Exception as exc:
-        if "timeout" not in str(exc):  # a peer ended? name it
-            with contextlib.suppress(RuntimeError):
-                tell_peers(rank, args)
-        fail(rank, args, traceback.format_exc() if args.debug else describe(exc, args))
+        time.sleep(1)  # a peer that has just ended is gone by then, and refuses
+        check_peers(rank, args, 5)
+        stop(rank, args, traceback.format_exc() if args.debug else describe(exc))
 
 
-def number(kind, low, high=math.inf):  # argparse type naming its range
+def in_range(kind, low, high=math.inf):  # an argparse type naming its range
     def parse(text):
         if low <= kind(text) <= high:
             return kind(text)
@@ -369,18 +362,18 @@ def number(kind, low, high=math.inf):  # argparse type naming its range
 
 def parse_common(parser, argv, world_size, least, most=math.inf):
     add, env = parser.add_argument, os.environ.get  # torchrun's
-    add("--world_size", "--world-size", type=number(int, least, most),
+    add("--world_size", "--world-size", type=in_range(int, least, most),
         default=env("WORLD_SIZE", world_size), help="Processes in all, every role.")
     add("--rank", type=int, default=env("RANK"), help="Run only this rank (None: all).")
     add("--master_addr", default=env("MASTER_ADDR", "localhost"), help="Address of rank 0.")
-    add("--master_port", type=number(int, 1, 65535), default=env("MASTER_PORT"),
+    add("--master_port", type=in_range(int, 1, 65535), default=env("MASTER_PORT"),
         help="Rank 0's port (None: 29500, or a free one for one command).")
     add("--ifname", choices=list(psutil.net_if_addrs()), metavar="IFNAME",
         help="Network interface (None: the one that reaches rank 0).")
-    add("--timeout", type=number(float, 1, 86400), default=60,
+    add("--timeout", type=in_range(float, 1, 86400), default=60,
         help="Seconds (1-86400) to wait for a peer, 5x to meet.")
     add("--debug", action="store_true", help="Tracebacks and torch's log on a failure.")
-    add("--seed", type=number(int, 0, 2**32 - 1), default=1, help="Seeds all random draws.")
+    add("--seed", type=in_range(int, 0, 2**32 - 1), default=1, help="Seeds all random draws.")
     args = parser.parse_args(argv)
     if args.rank is not None and not 0 <= args.rank < args.world_size:
         parser.error(f"--rank must be in [0, {args.world_size}) at --world_size {args.world_size}")
@@ -389,29 +382,21 @@ def parse_common(parser, argv, world_size, least, most=math.inf):
 
 def main():
     args = parse_args()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C ends every rank at once, even in torch
     if args.rank is not None:
         args.master_port = args.master_port or 29500
         print(f"Rank {args.rank} waits {5 * args.timeout:g} s for all {args.world_size} ranks at "
               f"{args.master_addr}:{args.master_port}", file=sys.stderr)
         return run_rank(args.rank, args)
-    if not args.master_port:  # a free one, held till we exit
-        held = bound(0)
-        args.master_port = held.getsockname()[1]
+    held = socket.socket()  # a free port, held till we exit; rank 0's store binds it too
+    held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    held.bind(("", 0))
+    args.master_port = args.master_port or held.getsockname()[1]
     print(f"Starting {args.world_size} ranks on port {args.master_port}", flush=True)
-    try:
-        resource_tracker.ensure_running()  # now: its start unblocks SIGINT (CPython bpo-33613)
-        signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])  # the ranks inherit it
-        ranks = mp.start_processes(run_rank, (args,), args.world_size, join=False)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])  # raises one that came
-        logging.getLogger("torch.multiprocessing.spawn").addFilter(  # our line says it
-            lambda record: "Terminating" not in record.msg)
-        while not ranks.join(grace_period=2):
-            pass
-    except (mp.ProcessExitedException, KeyboardInterrupt) as exc:
-        for process in mp.active_children():
-            process.kill()
-        if isinstance(exc, KeyboardInterrupt):
-            sys.exit("Interrupted: stopped every rank.")
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # our line says it
+    try:  # forked: at once, with torch loaded
+        mp.start_processes(run_rank, (args,), args.world_size, start_method="fork")
+    except mp.ProcessExitedException as exc:
         how = exc.signal_name or f"exit code {exc.exit_code}"
         sys.exit(f"Rank {exc.error_index} ended ({how}): stopped every rank.")
 

@@ -1,6 +1,5 @@
 """What all the scripts share: imports that start nothing, and a failure's one line for any error (torchrun and the
 failures: tests/test_several_machines.py and tests/test_failures.py)."""
-import argparse
 import importlib
 import socket
 
@@ -50,5 +49,23 @@ def test_importing_a_script_starts_nothing(run, tmp_path):
 def test_any_error_is_described_in_one_line(error):
     # A rank's last line comes from describe(), which must never raise, whatever torch or a learner's code raised:
     # the launcher would print its traceback.
-    line = importlib.import_module(SCRIPTS[0]).describe(error, argparse.Namespace(master_addr="host"))
+    line = importlib.import_module(SCRIPTS[0]).describe(error)
     assert line and "\n" not in line, line
+
+
+# torch's report of an exception raised inside an RPC, as the caller gets it where an RRef held the error: one
+# report nested in another, each naming the worker where the function ran, then its traceback.
+NESTED = ("ValueError: On WorkerInfo(id=0, name=ps):\nValueError('On WorkerInfo(id=0, name=ps):\nValueError('bug')\n"
+          "Traceback (most recent call last):\n  File \"a.py\", line 9, in __init__\nValueError: bug\n')\n"
+          "Traceback (most recent call last):\n  File \"b.py\", line 7, in _call_method\n"
+          "ValueError: On WorkerInfo(id=0, name=ps):\nValueError('bug')\nTraceback (most recent call last):\n"
+          "  File \"a.py\", line 9, in __init__\nValueError: bug\n\n\nAt:\n  internal.py(236): _handle_exception")
+
+
+@pytest.mark.parametrize("report, line", [
+    (NESTED, "rank 0 (ps): ValueError: bug"),  # the rank and the innermost exception
+    # a later release that words its report otherwise: the line quotes its first line, still a true one
+    (NESTED.replace("On WorkerInfo(id=0, name=ps)", "From worker 0 (ps)"), "ValueError: ValueError: From worker 0 (ps):"),
+], ids=["torch's report", "reworded"])
+def test_an_rpcs_exception_names_its_rank_or_quotes_the_report(report, line):
+    assert importlib.import_module(SCRIPTS[0]).describe(ValueError(report)) == line
