@@ -426,8 +426,9 @@ def shared_runs(tmp_path_factory, tiny_mnist):
     (side_by_side: those that take longest or that a test acts on first), all ended before any test reads them, so
     that their load never overlaps a later test's. A dict by name:
     - "rnn", "ps", "rl", "ddp 3", "ddp 4": each script's one-command launch, as a user types it (the RNN's and
-      the parameter server's are the README's commands as written, the latter with tiny MNIST as its DIR); the
-      parameter server at world size 3, CartPole at 2, DDP at 3 and at 4;
+      the parameter server's are the README's commands as written, the latter with tiny MNIST as its DIR, and
+      PYTHONUNBUFFERED=1 in its environment); the parameter server at world size 3, CartPole at 2, DDP at 3 and
+      at 4;
     - "ps workers": the parameter server at world size 2 in one command, its trainers loading MNIST with two
       DataLoader workers, as a learner may change it;
     - "rnn ranks", "ps ranks", "rl ranks": one terminal per rank, a list of ranks: one rank drives the training
@@ -568,7 +569,8 @@ def shared_runs(tmp_path_factory, tiny_mnist):
                 "shuffle=True, num_workers=2)\n    test_loader"), "--world_size=2", *ps_flags))),
             (5, case("ddp 4", lambda: start("ddp_rpc_hybrid.py", "--world_size=4", f"--epochs={DDP_EPOCHS}"))),
             (4, case("copy", lambda: start(ROOT / "tests" / "learner.py", free_port(), tiny_mnist, timeout=None))),
-            (4, case("ps", lambda: start("rpc_parameter_server.py", "--world_size=3", f"--data_dir={tiny_mnist}"))),
+            (4, case("ps", lambda: start("rpc_parameter_server.py", "--world_size=3", f"--data_dir={tiny_mnist}",
+                                         env={"PYTHONUNBUFFERED": "1"}))),  # as some users set it
             (3, case("rl", lambda: start("rpc_rl_cartpole.py", "--world_size=2", f"--max_episodes={RL_EPISODES}",
                                          "--log_interval=1"))),
             (4, case("ddp 3", lambda: start("ddp_rpc_hybrid.py", "--world_size=3", f"--epochs={DDP_EPOCHS}"))),

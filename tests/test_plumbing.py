@@ -69,3 +69,19 @@ NESTED = ("ValueError: On WorkerInfo(id=0, name=ps):\nValueError('On WorkerInfo(
 ], ids=["torch's report", "reworded"])
 def test_an_rpcs_exception_names_its_rank_or_quotes_the_report(report, line):
     assert importlib.import_module(SCRIPTS[0]).describe(ValueError(report)) == line
+
+
+HEADER_KEEPS_CTRL_C = """
+import signal, sys
+sys.argv = [sys.argv[1]]
+exec(open(sys.argv[0]).read().split("# --------- Launching ranks")[0], {"__name__": "__main__"})
+print(signal.pthread_sigmask(signal.SIG_BLOCK, []) == set(), signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+"""
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_program_that_copies_the_tutorial_part_keeps_ctrl_c(run, tmp_path, script):
+    # Everything above the banner, run as a learner's own program: Ctrl-C still raises KeyboardInterrupt there.
+    (tmp_path / "own_program.py").write_text(HEADER_KEEPS_CTRL_C)
+    proc = run(tmp_path / "own_program.py", ROOT / f"{script}.py").wait()
+    assert (proc.returncode, proc.out) == (0, "True True\n"), proc
