@@ -60,14 +60,14 @@ class HybridModel(torch.nn.Module):
         return self.fc(emb_lookup.to(self.device))
 
 
-# Returns its losses and weights, which the tutorial's doesn't: the master prints them.
-def _run_trainer(remote_emb_module, rank, epochs=100, device=None):  # the tutorial's 100, rank
+# Returns its losses and fc weights, where the tutorial's returns none: the master checks them.
+def _run_trainer(remote_emb_module, rank, epochs=100, device=None):  # None: the tutorial's rank
     model = HybridModel(remote_emb_module, rank if device is None else device)
 
     # Retrieve parameters for embedding table.
     model_parameter_rrefs = model.remote_emb_module.remote_parameters()
 
-    # Not model.parameters(): it calls remote_emb_module.parameters(), which RemoteModule lacks.
+    # Not model.parameters(): it calls remote_emb_module.parameters(), which RemoteModule refuses.
     for param in model.fc.parameters():
         model_parameter_rrefs.append(RRef(param))
 
@@ -76,6 +76,7 @@ def _run_trainer(remote_emb_module, rank, epochs=100, device=None):  # the tutor
 
     def get_next_batch():
         # Each bag from its class's part of the table: the tutorial's random targets teach nothing.
+        # torch's generator, not the tutorial's random module: --seed repeats the batches.
         for _ in range(10):
             num_indices = int(torch.randint(20, 51, ()))
             offsets = []
@@ -101,11 +102,12 @@ def _run_trainer(remote_emb_module, rank, epochs=100, device=None):  # the tutor
                 # No zero_grad: each iteration's autograd context holds its own grads.
             losses.append(loss.item())
         epoch_losses.append(sum(losses) / len(losses))
+        # The loss too, to see it learn, and which trainer: both print here.
         print(f"Training done for epoch {epoch} loss {epoch_losses[-1]:.4f} (trainer{rank})")
     return epoch_losses, {name: t.cpu() for name, t in model.fc.module.state_dict().items()}
 
 
-def run_worker(rank, world_size, args):
+def run_worker(rank, world_size, args):  # args: the flags; the tutorial has none
     trainers = range(world_size - 2)  # the tutorial's ranks 0 and 1, for any world size
     # One port for the tutorial's 29500 (DDP) and 29501 (RPC): one store serves both.
     with meeting(rank, args):
@@ -131,7 +133,7 @@ def run_worker(rank, world_size, args):
         futs = []
         for trainer_rank in trainers:
             trainer_name = worker_name(trainer_rank, world_size)
-            # No RPC timeout: training outlasts it, and the loop below watches instead.
+            # No RPC timeout (0): training outlasts it.
             fut = rpc.rpc_async(trainer_name, _run_trainer, args=(remote_emb_module, trainer_rank),
                                 kwargs={"epochs": args.epochs, "device": device}, timeout=0)
             futs.append(fut)

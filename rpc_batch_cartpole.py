@@ -60,7 +60,7 @@ class Observer:
     def __init__(self, batch=True, gamma=1.0, seed=543):  # the tutorial's global args
         self.id = rpc.get_worker_info().id - 1
         self.env = gym.make("CartPole-v1")
-        # + id: the tutorial's env.seed(args.seed) gives all observers the same games.
+        # + id: the tutorial's env.seed(args.seed) gives all observers the same first states.
         self.env.reset(seed=seed + self.id)
         self.gamma = gamma
         self.select_action = Agent.select_action_batch if batch else Agent.select_action
@@ -182,8 +182,8 @@ class Agent:
         return ep_rewards, self.running_reward
 
 
-# The tutorial's run_worker(rank, world_size, n_episode, batch, print_log) takes flags here; its
-# main() times world sizes 2 to 11, batch and not, as benchmarks/bench_batch_cartpole.py does.
+# The tutorial's run_worker(rank, world_size, n_episode, batch, print_log), with the flags in args.
+# Its main() times world sizes 2 to 11, batch and not; benchmarks/bench_batch_cartpole.py does so.
 def run_worker(rank, world_size, args):
     torch.set_num_threads(1)  # tiny ops: more threads only spin against other ranks
     options = backend_options(args, num_worker_threads=args.agent_threads if rank == 0 else 16)
@@ -192,6 +192,7 @@ def run_worker(rank, world_size, args):
                      rpc_backend_options=options)
     if rank == 0:
         # rank0 is the agent
+        # --seed: 1 by default, as in every script here; 543, the tutorial's, is the classes' own.
         agent = Agent(world_size, args.batch, gamma=args.gamma, seed=args.seed)
         start = time.perf_counter()
         for i_episode in range(args.num_episode):

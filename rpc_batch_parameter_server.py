@@ -1,6 +1,6 @@
 """The tutorial "Implementing Batch RPC Processing Using Asynchronous Executions", part 1
-(https://pytorch.org/tutorials/intermediate/rpc_async_execution.html): rank 0 steps the model
-once every trainer, every other rank, has sent gradients.
+(https://pytorch.org/tutorials/intermediate/rpc_async_execution.html): rank 0 steps the
+model once every trainer has sent its gradients.
 
     python rpc_batch_parameter_server.py  # every rank; or one terminal each, with --rank=R
 """
@@ -58,7 +58,7 @@ class BatchUpdateParameterServer(object):
             self.curr_update_size += 1
             for p, g in zip(self.model.parameters(), grads):
                 p.grad += g
-            # This call's future, even if another thread replaces it before we return
+            # This call's: another thread may replace it.
             fut = self.future_model
             if self.curr_update_size >= self.batch_update_size:
                 for p in self.model.parameters():
@@ -74,13 +74,13 @@ class BatchUpdateParameterServer(object):
 class Trainer(object):
     def __init__(self, ps_rref):
         self.ps_rref, self.loss_fn = ps_rref, torch.nn.MSELoss()
-        self.device = "cuda" if torch.cuda.is_available() else "cpu"  # the tutorial's: cuda
-        # An image per class, the same in every trainer: the tutorial's noise teaches nothing.
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"  # the tutorial's cuda
+        # An image per class, shared by the trainers: the tutorial's noise teaches nothing.
         self.images = torch.randn(num_classes, 3, image_w, image_h,
                                   generator=torch.Generator().manual_seed(0))
 
     def get_next_batch(self, batches=6):
-        for _ in range(batches):
+        for _ in range(batches):  # labels drawn each batch: the tutorial's stay fixed
             one_hot_indices = torch.randint(num_classes, (batch_size, 1))
             inputs = torch.normal(self.images[one_hot_indices[:, 0]], 1)
             labels = torch.zeros(batch_size, num_classes).scatter_(1, one_hot_indices, 1)
@@ -93,7 +93,7 @@ class Trainer(object):
             loss = self.loss_fn(m(inputs), labels)
             loss.backward()
             losses.append(loss.item())
-            if i % 10 == 0:  # the example logs every step, without the loss
+            if i % 10 == 0:  # with the loss; the example logs every step
                 print(f"{rpc.get_worker_info().name} batch {i} loss {loss:.4f}")
             m = rpc.rpc_sync(
                 self.ps_rref.owner(),
@@ -110,10 +110,10 @@ def run_trainer(ps_rref, batches=6):
 
 def run_ps(trainers, batches=6):
     start = time.perf_counter()
-    # All trainers' gradients: the tutorial's fixed 5 fits its 5 trainers only.
+    # All trainers': the tutorial's fixed 5 fits its 5 trainers only.
     ps_rref = rpc.RRef(BatchUpdateParameterServer(batch_update_size=len(trainers)))
     futs = []
-    for trainer in trainers:  # timeout=0 (none): training outlasts an RPC's timeout
+    for trainer in trainers:  # timeout=0, none: training outlasts the default
         futs.append(rpc.rpc_async(trainer, run_trainer, args=(ps_rref, batches), timeout=0))
     losses = torch.tensor(torch.futures.wait_all(futs)).mean(0)
     seconds = time.perf_counter() - start
@@ -121,14 +121,14 @@ def run_ps(trainers, batches=6):
           f"first_loss={losses[0]:.4f} final_loss={losses[-1]:.4f}")
 
 
-def run_worker(rank, world_size, args):
+def run_worker(rank, world_size, args):  # the example's run()
     torch.set_num_threads(1)  # small ops: more threads only spin
     with meeting(rank, args):
         rpc.init_rpc(worker_name(rank, world_size), rank=rank, world_size=world_size,
                      rpc_backend_options=backend_options(args))
     if rank == 0:
         run_ps([worker_name(r, world_size) for r in range(1, world_size)], args.batches)
-    wait_for_peers(rank, args)  # rpc.shutdown() alone hangs on a dead peer
+    wait_for_peers(rank, args)  # rpc.shutdown() hangs on a dead peer
     rpc.shutdown(timeout=args.timeout)
 
 

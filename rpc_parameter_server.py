@@ -48,7 +48,7 @@ class Net(nn.Module):
         if "cuda" in str(device) and num_gpus > 1:
             device = torch.device("cuda:1")
         print(f"Putting rest of layers on {str(device)}")
-        # nn.Dropout, as in pytorch/examples' MNIST now (Dropout2d warns on dropout2's 2-D input).
+        # nn.Dropout, as pytorch/examples' MNIST now has: Dropout2d warns on 2-D input.
         self.dropout1 = nn.Dropout(0.25).to(device)
         self.dropout2 = nn.Dropout(0.5).to(device)
         self.fc1 = nn.Linear(9216, 128).to(device)
@@ -93,10 +93,11 @@ class ParameterServer(nn.Module):
 
     def forward(self, inp, training=True):
         inp = inp.to(self.input_device)
-        # On clones: the tutorial's pass saves the live weights, which another trainer's step
-        # changes before this pass's backward (examples#856). One at a time: each sets the mode.
+        # One pass at a time: each sets the shared model's train or eval mode.
         with self.forward_lock, torch.set_grad_enabled(training):
             self.model.train(training)
+            # On clones: the tutorial's pass saves the live weights, which another trainer's step
+            # changes before this pass's backward (pytorch/examples#856).
             weights = {name: param.clone() for name, param in self.model.named_parameters()}
             out = torch.func.functional_call(self.model, weights, (inp,))
         return out.to("cpu")  # RPC only supports CPU tensors
@@ -128,10 +129,11 @@ def get_parameter_server(num_gpus=0):
         return param_server
 
 
-def run_parameter_server(rank, world_size, args):
-    get_parameter_server(args.num_gpus)  # now: a wrong --num_gpus stops rank 0 at once
+def run_parameter_server(rank, world_size, args):  # args: the flags, the tutorial's globals
+    # Built before init_rpc, not at a trainer's first call: a wrong --num_gpus stops rank 0 at once.
+    get_parameter_server(args.num_gpus)
     print("PS master initializing RPC")
-    # 4 RPC threads, not 16: passes run one at a time, and idle threads cost.
+    # 4 RPC threads, not torch's 16: the lock runs the passes one at a time.
     with meeting(rank, args):
         rpc.init_rpc(worker_name(rank, world_size), rank=rank, world_size=world_size,
                      rpc_backend_options=backend_options(args, num_worker_threads=4))
@@ -172,7 +174,7 @@ def run_training_loop(rank, num_gpus, train_loader, test_loader, epochs=1):
                 if i % 5 == 0:  # 4 decimals, where the tutorial prints all
                     print(f"Rank {rank} training batch {i} loss {loss.item():.4f}")
                 dist_autograd.backward(cid, [loss])
-                if epoch == i == 0:  # gradients came back (the tutorial asks every batch)
+                if epoch == i == 0:  # once: the tutorial's check in every batch costs an RPC each
                     assert remote_method(
                         ParameterServer.get_dist_gradients, net.param_server_rref, cid) != {}
                 opt.step(cid)
@@ -180,7 +182,7 @@ def run_training_loop(rank, num_gpus, train_loader, test_loader, epochs=1):
     print("Training complete!")
     print("Getting accuracy....")
     accuracy = get_accuracy(test_loader, net)
-    print(f"Summary: rank={rank} batches={batches} seconds={seconds:.2f} "
+    print(f"Summary: rank={rank} batches={batches} seconds={seconds:.2f} "  # not in the tutorial
           f"ms_per_batch={1000 * seconds / batches:.1f} accuracy={accuracy:.4f}")
 
 
@@ -190,7 +192,7 @@ def get_accuracy(test_loader, model):
     device = torch.device("cuda:0" if model.num_gpus > 0 and torch.cuda.is_available() else "cpu")
     with torch.no_grad():
         for i, (data, target) in enumerate(test_loader):
-            out = model(data)  # the tutorial's model(data, -1) passes an argument forward lacks
+            out = model(data)
             pred = out.argmax(dim=1, keepdim=True)
             pred, target = pred.to(device), target.to(device)
             correct = pred.eq(target.view_as(pred)).sum().item()
@@ -200,6 +202,8 @@ def get_accuracy(test_loader, model):
     return acc
 
 
+# One entry for every rank, as torch.multiprocessing and torchrun call it: the tutorial's __main__
+# picks run_parameter_server or run_worker(rank, world_size, num_gpus, train_loader, test_loader).
 def run_worker(rank, world_size, args):
     if rank == 0:
         return run_parameter_server(rank, world_size, args)
@@ -218,7 +222,7 @@ def run_worker(rank, world_size, args):
 
 
 def load_mnist(args):
-    from torchvision import datasets, transforms  # slow to import, and only trainers need it
+    from torchvision import datasets, transforms  # slow to import: only the trainers do
 
     transform = transforms.Compose(
         [transforms.ToTensor(), transforms.Normalize((0.1307,), (0.3081,))])
@@ -234,7 +238,7 @@ def load_mnist(args):
         raise RuntimeError(f"cannot download MNIST into {args.data_dir} ({cause}); give "
                            "--data_dir a folder that holds MNIST/raw/") from None
     test_set = datasets.MNIST(args.data_dir, train=False, transform=transform)
-    # Shuffled by the generator run_worker seeds: --seed repeats a trainer's order.
+    # Shuffled by torch's generator, which --seed seeds: a trainer's order repeats.
     train_loader = torch.utils.data.DataLoader(train_set, batch_size=32, shuffle=True)
     test_loader = torch.utils.data.DataLoader(test_set, batch_size=32, shuffle=True)
     return train_loader, test_loader
@@ -244,7 +248,7 @@ def worker_name(rank, world_size):
     return "parameter_server" if rank == 0 else f"trainer_{rank}"
 
 
-def parse_args(argv=None):  # the tutorial parses at import
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description="Parameter-Server RPC based training",
         epilog="Rank 0 is the parameter server, every other rank a trainer.",

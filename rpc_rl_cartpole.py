@@ -59,7 +59,7 @@ class Observer:
     def __init__(self, seed=1):  # the tutorial's global args.seed
         self.id = rpc.get_worker_info().id
         self.env = gym.make("CartPole-v1")
-        # By rank: the tutorial's env.seed(args.seed) gives every observer the same episodes.
+        # By rank: the tutorial's env.seed(args.seed) gives every observer the same first states.
         self.env.reset(seed=seed + self.id)
 
     def run_episode(self, agent_rref):
@@ -115,7 +115,7 @@ class Agent:
         torch.futures.wait_all(futs)
 
     def finish_episode(self):
-        # joins probs and rewards from different observers into lists
+        # joins probs and returns from different observers into lists
         probs, returns = [], []
         for ob_id in self.rewards:
             probs.extend(self.saved_log_probs[ob_id])
@@ -146,7 +146,7 @@ class Agent:
         return min_reward
 
 
-def run_worker(rank, world_size, args):
+def run_worker(rank, world_size, args):  # args: the flags, the tutorial's globals
     torch.set_num_threads(1)  # the policy is tiny: a second thread only spins
     # One RPC thread on the agent: the threads that build the graph order the gradients' sum.
     options = backend_options(args, num_worker_threads=1 if rank == 0 else 16)
@@ -172,7 +172,7 @@ def run_worker(rank, world_size, args):
                 break
             if i_episode == args.max_episodes:
                 break
-        seconds = time.perf_counter() - start
+        seconds = time.perf_counter() - start  # not in the tutorial: for people and scripts
         print(f"Summary: episodes={i_episode} steps={agent.total_steps} seconds={seconds:.2f} "
               f"us_per_step={seconds / agent.total_steps * 1e6:.0f} solved={str(solved).lower()}")
     # else: observers passively wait for instructions from the agent

@@ -108,7 +108,7 @@ class RNNModel(nn.Module):
 def run_trainer(epochs=10):  # the tutorial's 10
     batch = 5
     ntoken = 10
-    # One wider LSTM layer, no dropout: the tutorial's 2, 3, 4 layers, 0.5 barely learn.
+    # One wider LSTM layer, no dropout: the tutorial's sizes 2 and 3, 4 layers, 0.5 barely learn.
     ninp, nhid, nlayers, dropout = 128, 256, 1, 0.0
     nindices = 3
     hidden = (torch.randn(nlayers, nindices, nhid), torch.randn(nlayers, nindices, nhid))
@@ -139,16 +139,16 @@ def run_trainer(epochs=10):  # the tutorial's 10
                 opt.step(context_id)  # no zero_grad: each context holds its own grads
             losses.append(loss.item())
         epoch_loss = sum(losses) / len(losses)
-        print(f"Training epoch {epoch} loss {epoch_loss:.4f}")  # with the loss
+        print(f"Training epoch {epoch} loss {epoch_loss:.4f}")  # the loss too: it shows learning
     seconds = time.perf_counter() - start
-    print(f"Summary: epochs={epochs} seconds={seconds:.2f} final_loss={epoch_loss:.4f}")
+    print(f"Summary: epochs={epochs} seconds={seconds:.2f} final_loss={epoch_loss:.4f}")  # not in the tutorial
 
 
 def worker_name(rank, world_size):
     return "trainer" if rank == 1 else "ps"
 
 
-def run_worker(rank, world_size, args):
+def run_worker(rank, world_size, args):  # args: the flags; the tutorial has none
     # One RPC thread: the two parts are built in the order asked, as --seed needs.
     with meeting(rank, args):
         rpc.init_rpc(worker_name(rank, world_size), rank=rank, world_size=world_size,
