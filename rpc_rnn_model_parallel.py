@@ -141,7 +141,8 @@ def run_trainer(epochs=10):  # the tutorial's 10
         epoch_loss = sum(losses) / len(losses)
         print(f"Training epoch {epoch} loss {epoch_loss:.4f}")  # the loss too: it shows learning
     seconds = time.perf_counter() - start
-    print(f"Summary: epochs={epochs} seconds={seconds:.2f} final_loss={epoch_loss:.4f}")  # not in the tutorial
+    # Not in the tutorial: a last line for people and scripts.
+    print(f"Summary: epochs={epochs} seconds={seconds:.2f} final_loss={epoch_loss:.4f}")
 
 
 def worker_name(rank, world_size):
