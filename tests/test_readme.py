@@ -36,6 +36,13 @@ def test_each_scripts_flags_parse(script, argv, monkeypatch):
     importlib.import_module(script[:-3]).parse_args(list(argv))  # argparse exits 2 on a flag that does not exist
 
 
+def test_a_learner_with_the_batch_tutorials_rpc_timeout_0_is_told_what_to_write():
+    # The batch tutorial's launcher passes rpc_timeout=0, with which init_rpc fails: the README says so, and
+    # gives the call's own timeout=0 instead.
+    section = README.split("### `rpc_batch_parameter_server.py`")[1].split("###")[0]
+    assert "`rpc_timeout=0`" in section and "`timeout=0`" in section, section
+
+
 def test_the_rnn_sample_output_is_what_the_script_prints(shared_runs):
     # The README's RNN command is the smoke run's: its sample lines must be what it prints, to 0.01 in each loss
     # (another CPU may round the last digits otherwise), but for the time it took.
