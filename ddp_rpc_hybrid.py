@@ -186,11 +186,12 @@ def meeting(rank, args):
             stop(rank, args, theirs if theirs.startswith("rank ") else
                  f"ranks of --world_size {min(n, size)} and {max(n, size)} met" if n != size else
                  f"ranks of two scripts met at port {args.master_port}")
+    args.met = False  # the ranks agree: a failure from here on is torch's meeting's
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "You are using a Backend")  # init_rpc's own use of it
         yield
     args.timer.cancel()
-    args.met, args.store = True, None
+    args.met = True
 
 
 done, ending = set(), threading.Lock()  # the ranks that said they are done; one line per rank
@@ -230,7 +231,7 @@ def stop(rank, args, why, tell=True):
     line = f"rank {rank} ({args.names[rank]}): {why}"
     print("Error on", line, file=sys.stderr)
     with contextlib.suppress(RuntimeError):
-        if tell and args.store and args.rank is not None:  # for the ranks still meeting
+        if tell and args.store and args.met is None and args.rank is not None:  # ranks meeting
             args.store.set(str(rank), line)
             args.store.add("stopped", 1)
             while rank == 0 and args.store.add("stopped", 0) < args.world_size:
@@ -281,6 +282,10 @@ def run_rank(rank, args):
         # Freeing 30 MB raises glibc's trim threshold: the parameter server unmapped 25 MB a batch.
         torch.empty(30 * 2**20, dtype=torch.uint8)
         run_worker(rank, args.world_size, args)
+        if args.store:  # every rank's rpc.shutdown() uses rank 0's store to its end: it ends last
+            args.store.add("ended", 1)
+            while rank == 0 and args.store.add("ended", 0) < args.world_size:
+                time.sleep(0.1)
     except socket.gaierror as exc:
         stop(rank, args, f"cannot resolve --master_addr {args.master_addr} ({exc.strerror})")
     except Exception as exc:

@@ -1,7 +1,7 @@
 """The GPU paths, where the host has the GPUs a test needs; skipped, with the reason, where it has fewer.
 
 torch.cuda.device_count() here does not stop the other tests from starting processes: they never fork the
-test process, they spawn or exec. These tests have not run on the pinned torch: README.md says what ran where."""
+test process, they exec a fresh Python."""
 import subprocess
 import sys
 
