@@ -228,7 +228,7 @@ def load_mnist(args):
         [transforms.ToTensor(), transforms.Normalize((0.1307,), (0.3081,))])
     folders = [os.path.join(args.data_dir, sub) for sub in ("MNIST/raw", "MNIST", "")]
     made = [folder for folder in folders if not os.path.isdir(folder)]
-    try:
+    try:  # not in the tutorial: a failed download gives one line
         train_set = datasets.MNIST(args.data_dir, train=True, download=True, transform=transform)
     except RuntimeError as exc:
         for folder in made:  # the folders the download made, left empty; never the user's
