@@ -6,7 +6,6 @@ policy; every other rank plays CartPole-v1, asking it for each action.
 """
 import argparse
 import contextlib
-import datetime
 import fcntl
 import logging
 import math
@@ -25,9 +24,7 @@ if __name__ == "__main__" and "--debug" not in sys.argv:  # torch reads it as it
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
 
 import gymnasium as gym  # the tutorial's gym is no longer maintained
-import psutil
 import torch
-import torch.distributed as dist
 import torch.distributed.rpc as rpc
 import torch.multiprocessing as mp
 import torch.nn as nn
@@ -176,8 +173,8 @@ def run_worker(rank, world_size, args):  # args: the flags, the tutorial's globa
         print(f"Summary: episodes={i_episode} steps={agent.total_steps} seconds={seconds:.2f} "
               f"us_per_step={seconds / agent.total_steps * 1e6:.0f} solved={str(solved).lower()}")
     # else: observers passively wait for instructions from the agent
-    wait_for_peers(rank, args)  # rpc.shutdown() alone hangs on a dead peer
-    rpc.shutdown(timeout=args.timeout)
+    say_done(rank, args)  # not in the tutorial: rank 0 watches until all are done
+    rpc.shutdown()
 
 
 def worker_name(rank, world_size):
@@ -204,170 +201,123 @@ def backend_options(args, **kwargs):
     return rpc.TensorPipeRpcBackendOptions(rpc_timeout=args.timeout, _transports=["uv"], **kwargs)
 
 
+met, done, ending = threading.Event(), set(), threading.Lock()
+
+
 @contextlib.contextmanager
 def meeting(rank, args):
-    # Torch's own meeting fails unexplained when ranks of two world sizes or scripts meet.
-    ours, size = " ".join(args.names), args.world_size
-    for peer in range(size if args.store else 0):  # each rank's roles, or why it stopped
-        args.store.set(str(rank), ours)
-        theirs = args.store.get(str(peer)).decode()
-        n = len(theirs.split())
-        if theirs != ours:
-            stop(rank, args, theirs if theirs.startswith("rank ") else
-                 f"ranks of --world_size {min(n, size)} and {max(n, size)} met" if n != size else
-                 f"ranks of two scripts met at port {args.master_port}")
-    args.met = False  # the ranks agree: a failure from here on is torch's meeting's
+    timer = threading.Timer(5 * args.timeout, stop, (rank, args, "not all ranks met"))
+    timer.start()
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "You are using a Backend")  # init_rpc's own use of it
+        warnings.filterwarnings("ignore", "You are using a Backend")
         yield
-    args.timer.cancel()
-    args.met = True
+    timer.cancel()
+    met.set()
+    threading.Thread(target=watch, args=(rank, args), daemon=True).start()
 
 
-done, ending = set(), threading.Lock()  # the ranks that said they are done; one line per rank
+def check_peers(rank, args):
+    for peer in [0] if rank else range(1, args.world_size):
+        name = worker_name(peer, args.world_size)
+        try:
+            if rank:
+                socket.create_connection((args.master_addr, args.master_port), args.timeout).close()
+            elif met.is_set():
+                rpc.rpc_sync(name, os.getpid, timeout=args.timeout)
+        except Exception:
+            at = f" at {args.master_addr}:{args.master_port}" if rank else ""
+            stop(rank, args, f"cannot reach rank {peer} ({name}){at}")
+
+
+def watch(rank, args):
+    while rank or len(done) < args.world_size:
+        check_peers(rank, args)
+        time.sleep(1)
+    time.sleep(args.timeout + 2)
+    stop(rank, args, "lost a peer in rpc.shutdown()")
 
 
 def note_done(rank):
     done.add(rank)
 
 
-def check_peers(rank, args, timeout=None):
-    timeout = timeout or args.timeout
-    for peer, name in enumerate(args.names):
-        try:
-            if peer == 0 < rank:  # its store answers while all its RPC threads are busy
-                socket.create_connection((args.master_addr, args.master_port), timeout).close()
-            elif peer != rank and args.met:
-                rpc.rpc_sync(name, os.getpid, timeout=timeout)
-        except (OSError, RuntimeError):
-            stop(rank, args, f"lost contact with rank {peer} ({name})")
+def say_done(rank, args):
+    rpc.rpc_async(worker_name(0, args.world_size), note_done, (rank,))
 
 
-def wait_for_peers(rank, args):
-    # rpc.shutdown() waits forever for a peer that died, even one lost within it
-    while len(done) < args.world_size:
-        for name in args.names:  # not waited for: a busy rank 0 reads it later
-            rpc.rpc_async(name, note_done, (rank,))
-        check_peers(rank, args)  # at once: a failed first connection aborts TensorPipe (moolib#34)
-        time.sleep(1)
-    timer = threading.Timer(args.timeout, stop, (rank, args, "lost a peer in rpc.shutdown()"))
-    timer.daemon = True
-    timer.start()
+def stop(rank, args, why):
+    with ending:
+        sys.stdout.flush()
+        print(f"Error on rank {rank} ({worker_name(rank, args.world_size)}):", why, file=sys.stderr)
+        os._exit(1)
 
 
-def stop(rank, args, why, tell=True):
-    if not ending.acquire(blocking=False):
-        os._exit(1)  # another thread said why
-    line = f"rank {rank} ({args.names[rank]}): {why}"
-    print("Error on", line, file=sys.stderr)
-    with contextlib.suppress(RuntimeError):
-        if tell and args.store and args.met is None and args.rank is not None:  # ranks meeting
-            args.store.set(str(rank), line)
-            args.store.add("stopped", 1)
-            while rank == 0 and args.store.add("stopped", 0) < args.world_size:
-                time.sleep(0.1)  # its store lives here: until every rank has read it
-    time.sleep(2)  # so that peers still checking name the rank that stopped first
-    os._exit(1)  # sys.exit waits for threads stuck on lost peers
-
-
-@contextlib.contextmanager
 def machine_lock():
-    with open(__file__) as lock:  # ranks on one machine, e.g. downloading into one folder
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
+    lock = open(__file__)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    return lock
 
 
 def describe(exc):
-    head, _, tail = str(exc).partition("\nTraceback")  # torch's report of an RPC's
-    where, cause = re.findall(r"id=(\d+), name=(.*?)\)", head), re.findall(r"^\S.*", tail, re.M)
-    if where and cause:
-        return "rank {} ({}): {}".format(*where[-1], cause[0])
-    return f"{type(exc).__name__}: {head}".splitlines()[0]
+    where = re.findall(r"id=(\d+), name=(.*?)\):\n(.*)", str(exc))
+    line = "rank {} ({}): {}".format(*where[-1]) if where else f"{type(exc).__name__}: {exc}"
+    return line.split("\n")[0]
 
 
 def run_rank(rank, args):
-    if mp.parent_process() and os.getppid() != mp.parent_process().pid:
-        os._exit(1)  # its launcher ended before torch's parent-death signal was set
-    for stream in sys.stdout, sys.stderr:  # whole lines even unbuffered
-        stream.reconfigure(line_buffering=True, write_through=False)
-    args.names = [worker_name(peer, args.world_size) for peer in range(args.world_size)]
-    args.met = args.store = None
-    # Torch waits 30 minutes for a rank that never comes, forever on a port that never answers.
-    args.timer = threading.Timer(5 * args.timeout, stop, (
-        rank, args, f"not all {args.world_size} ranks met at port {args.master_port}", False))
-    args.timer.start()
     try:
-        with socket.socket(type=socket.SOCK_DGRAM) as probe:  # UDP: connecting sends nothing
-            probe.connect((args.master_addr, 1))
-            at = probe.getsockname()[0]
-        # The interface that reaches rank 0: else torch binds the hostname's address.
-        args.ifname = args.ifname or next(name for name, addrs in psutil.net_if_addrs().items()
-                                          if at in [a.address for a in addrs])
-        os.environ.update(GLOO_SOCKET_IFNAME=args.ifname, TP_SOCKET_IFNAME=args.ifname,
-                          MASTER_ADDR=args.master_addr, MASTER_PORT=str(args.master_port))
-        if "RANK" not in os.environ:  # else torchrun's agent holds the port
-            args.store = dist.TCPStore(args.master_addr, args.master_port, is_master=rank == 0,
-                                       timeout=datetime.timedelta(days=1), multi_tenant=True)
-        torch.manual_seed(args.seed + rank)  # --seed repeats a run
-        # Freeing 30 MB raises glibc's trim threshold: the parameter server unmapped 25 MB a batch.
-        torch.empty(30 * 2**20, dtype=torch.uint8)
+        if args.ifname or socket.gethostbyname(args.master_addr).startswith("127."):
+            os.environ["GLOO_SOCKET_IFNAME"] = os.environ["TP_SOCKET_IFNAME"] = args.ifname or "lo"
+        os.environ.update(MASTER_ADDR=args.master_addr, MASTER_PORT=str(args.master_port))
+        torch.manual_seed(args.seed + rank)
+        torch.empty(30 * 2**20, dtype=torch.uint8)  # freed: raises glibc's trim threshold
         run_worker(rank, args.world_size, args)
-        if args.store:  # every rank's rpc.shutdown() uses rank 0's store to its end: it ends last
-            args.store.add("ended", 1)
-            while rank == 0 and args.store.add("ended", 0) < args.world_size:
-                time.sleep(0.1)
-    except socket.gaierror as exc:
-        stop(rank, args, f"cannot resolve --master_addr {args.master_addr} ({exc.strerror})")
+        if rank == 0:
+            time.sleep(1)  # the peers' rpc.shutdown() reads its store
     except Exception as exc:
-        time.sleep(1)  # a peer that has just ended is gone by then, and refuses
-        check_peers(rank, args, 5)
+        time.sleep(1)
+        check_peers(rank, args)
         stop(rank, args, traceback.format_exc() if args.debug else describe(exc))
 
 
-def in_range(kind, low, high=math.inf):  # an argparse type naming its range
-    def parse(text):
+def in_range(kind, low, high=math.inf):
+    def number(text):
         if low <= kind(text) <= high:
             return kind(text)
         raise argparse.ArgumentTypeError(f"{text} is not in [{low}, {high}]")
-    parse.__name__ = kind.__name__  # for argparse's "invalid int value"
-    return parse
+    return number
 
 
 def parse_common(parser, argv, world_size, least, most=math.inf):
-    add, env = parser.add_argument, os.environ.get  # torchrun's
+    add, env = parser.add_argument, os.environ.get
     add("--world_size", "--world-size", type=in_range(int, least, most),
-        default=env("WORLD_SIZE", world_size), help="Processes in all, every role.")
+        default=env("WORLD_SIZE", world_size), help="Processes, all roles.")
     add("--rank", type=int, default=env("RANK"), help="Run only this rank (None: all).")
-    add("--master_addr", default=env("MASTER_ADDR", "localhost"), help="Address of rank 0.")
+    add("--master_addr", default=env("MASTER_ADDR", "localhost"), help="Rank 0's address.")
     add("--master_port", type=in_range(int, 1, 65535), default=env("MASTER_PORT"),
-        help="Rank 0's port (None: 29500, or a free one for one command).")
-    add("--ifname", choices=list(psutil.net_if_addrs()), metavar="IFNAME",
-        help="Network interface (None: the one that reaches rank 0).")
-    add("--timeout", type=in_range(float, 1, 86400), default=60,
-        help="Seconds (1-86400) to wait for a peer, 5x to meet.")
-    add("--debug", action="store_true", help="Tracebacks and torch's log on a failure.")
-    add("--seed", type=in_range(int, 0, 2**32 - 1), default=1, help="Seeds all random draws.")
+        help="Rank 0's port (None: 29500; one command: a free one).")
+    add("--ifname", help="Network interface (None: lo if rank 0 is local).")
+    add("--timeout", type=in_range(float, 1, 86400), default=60, help="Seconds to wait for peers.")
+    add("--debug", action="store_true", help="On a failure: traceback, torch's log.")
+    add("--seed", type=in_range(int, 0), default=1, help="Seeds all random draws.")
     args = parser.parse_args(argv)
-    if args.rank is not None and not 0 <= args.rank < args.world_size:
-        parser.error(f"--rank must be in [0, {args.world_size}) at --world_size {args.world_size}")
+    if not 0 <= (args.rank or 0) < args.world_size:
+        parser.error(f"--rank must be in [0, {args.world_size})")
     return args
 
 
 def main():
     args = parse_args()
-    signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C ends every rank at once, even in torch
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    if not args.debug:
+        logging.disable()
     if args.rank is not None:
         args.master_port = args.master_port or 29500
-        print(f"Rank {args.rank} waits {5 * args.timeout:g} s for all {args.world_size} ranks at "
-              f"{args.master_addr}:{args.master_port}", file=sys.stderr)
         return run_rank(args.rank, args)
-    held = socket.socket()  # a free port, held till we exit; rank 0's store binds it too
-    held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    held.bind(("", 0))
-    args.master_port = args.master_port or held.getsockname()[1]
-    print(f"Starting {args.world_size} ranks on port {args.master_port}", flush=True)
-    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # our line says it
-    try:  # forked: at once, with torch loaded
+    with socket.socket() as free:
+        free.bind(("", 0))
+        args.master_port = args.master_port or free.getsockname()[1]
+    try:  # forked: spawn re-imports torch per rank
         mp.start_processes(run_rank, (args,), args.world_size, start_method="fork")
     except mp.ProcessExitedException as exc:
         how = exc.signal_name or f"exit code {exc.exit_code}"

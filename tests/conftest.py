@@ -23,6 +23,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # so tests can import the scripts' classes
 # The environment pytest was started with, the user's: before the tests import gymnasium, which sets a variable.
 USER_ENV = dict(os.environ)
+# But for PYTHONUNBUFFERED, which tests that read lines as they come set (LIVE): with it, the lines of two ranks
+# printing at once into one pipe may merge (the README says so); without it, each rank's lines come whole.
+USER_ENV.pop("PYTHONUNBUFFERED", None)
 # A terminal's Ctrl-C reaches a run. This suite started in the background of a script (`bash .ci/run &`) has
 # SIGINT ignored, and so would each run it starts, as an ignored signal stays ignored in a child.
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
@@ -43,8 +46,10 @@ BATCHES = ["--batches=20"]  # the batch parameter server's smoke runs: twice its
 BATCH_RL = ["--num_episode=3", "--n_steps=50"]  # the batch CartPole's: 3 short episodes
 SLOW = 20  # seconds that the slow agent's fifth select_action takes; its observer's --timeout is half that
 VANISH_TIMEOUT = 20  # --timeout of the runs whose machine vanishes: 5x to meet, as two suites at once need
-SIZES_TIMEOUT = 30  # --timeout of the ranks of two world sizes: room to arrive on a loaded machine, not a bound
+SIZES_TIMEOUT = 10  # --timeout of the ranks of two world sizes, which never meet: they stop after 5x that
 
+# A run's lines as they are printed, through a pipe: the environment of a user who watches them with `| tee`.
+LIVE = {"PYTHONUNBUFFERED": "1"}
 TIMING_FIGURES = {"seconds", "ms_per_batch", "us_per_step"}  # Summary figures that vary from run to run
 HANG = 600  # a test's own limit on a run: only keeps a hang from running forever
 # The processes of the suite's runs alive at once: each holds 0.3-0.4 GB with torch's CUDA build, so that one suite
@@ -85,6 +90,21 @@ def assert_succeeded(*runs):
     for run in runs:
         assert run.returncode == 0, run
         assert_no_traceback(run.err)
+
+
+def listening(first):
+    """Block until the rank 0 started as `first` listens on its --master_addr:--master_port (a person starts the
+    other terminals once it has); fail if it ends first."""
+    flags = first.proc.args
+    where = (flags[flags.index("--master_addr") + 1] if "--master_addr" in flags else "localhost",
+             int(flags[flags.index("--master_port") + 1]))
+    while first.proc.poll() is None and time.monotonic() - first.started < HANG:
+        try:
+            socket.create_connection(where, 1).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    pytest.fail(f"rank 0 never listened: {first}")
 
 
 def error_lines(proc):
@@ -384,10 +404,8 @@ def host_resolves_hostname_to(host, addr):
 
 def watch_listening(run, netns, runs):
     """Into runs["rnn listening"], the local addresses on which the processes of `run` listened for TCP inside
-    network namespace `netns`, from its first training line until it ended."""
+    network namespace `netns`, from its start until it ended."""
     runs["rnn listening"] = seen = set()
-    while "Training epoch 0 " not in run.out and run.proc.poll() is None:
-        time.sleep(0.05)
     while run.proc.poll() is None:
         pids = run.processes_left()
         table = subprocess.run(["ip", "netns", "exec", netns, "ss", "-ltnpH"], capture_output=True, text=True)
@@ -396,9 +414,9 @@ def watch_listening(run, netns, runs):
         time.sleep(0.1)
 
 
-# One terminal per rank across two hosts, rank 0 on host A and the others on B, until A's link goes down:
-# (script, world size, flags, the rank that shows training under way, its line). The DDP example has every kind
-# of rank: its trainers sit in RPCs and collectives, its master calls them and checks on its peers, its
+# One terminal per rank across two hosts, rank 0 on host A and the others on B, each with the --ifname of its host,
+# until A's link goes down: (script, world size, flags, the rank that shows training under way, its line). The DDP
+# example has every kind of rank: its trainers sit in RPCs and collectives, its master waits on them, its
 # parameter server only waits. Rank 0 is a copy of the script whose host says that it has two GPUs, as
 # gpu_host() makes it, and rank 1's has none: the trainers must agree on the CPU.
 VANISHING = [("ddp_rpc_hybrid.py", 4, ["--epochs", 100000], 1, "Training done for epoch 1 ")]
@@ -426,33 +444,33 @@ def shared_runs(tmp_path_factory, tiny_mnist):
     (side_by_side: those that take longest or that a test acts on first), all ended before any test reads them, so
     that their load never overlaps a later test's. A dict by name:
     - "rnn", "ps", "rl", "ddp 3", "ddp 4": each script's one-command launch, as a user types it (the RNN's and
-      the parameter server's are the README's commands as written, the latter with tiny MNIST as its DIR, and
-      PYTHONUNBUFFERED=1 in its environment); the parameter server at world size 3, CartPole at 2, DDP at 3 and
-      at 4;
+      the parameter server's are the README's commands as written, the latter with tiny MNIST as its DIR); the
+      parameter server at world size 3, CartPole at 2, DDP at 3 and at 4;
     - "ps workers": the parameter server at world size 2 in one command, its trainers loading MNIST with two
       DataLoader workers, as a learner may change it;
     - "rnn ranks", "ps ranks", "rl ranks": one terminal per rank, a list of ranks: one rank drives the training
       alone, so each must print its one-command twin's numbers ("ps workers" for the parameter server), for as
       long as it runs (the parameter server one epoch, CartPole 5 episodes). The RNN's ranks are started as a
-      person starts them, with the README's flags: rank 1 two seconds after rank 0 says that it waits, at this
-      host's own non-loopback address where it has one;
+      person starts them, with the README's flags: rank 1 two seconds after rank 0 listens, at this host's own
+      non-loopback address and its --ifname where it has one;
     - "bps 2", "bps 3", "bps ranks": the batch parameter server in one command at world size 2 and 3, and one
       terminal per rank at 2, its trainer killed (.killed: when) once it has printed its loss at batch 20;
       "brl 2", "brl 3", "brl ranks": the batch CartPole likewise, batching but at world size 3 (--no-batch),
-      its observer killed once the agent has printed episode 2;
+      its observer killed once the agent has printed episode 2 (PYTHONUNBUFFERED=1, as a user who watches the
+      lines through a pipe sets it, in both);
     - "rl slow": [agent, observer] of slow_agent(), the observer, whose --timeout is SLOW / 2, started once the
-      agent says it waits;
+      agent listens;
     - "scripts": the RNN's rank 0 and CartPole's rank 1 on one port; "sizes": CartPole's rank 0 at --world_size 2
       and its rank 1 at 3 on one port; "ps sizes": the parameter server's ranks 0 and 2 at --world_size 3, and
-      rank 1 where the person forgot the flag (the default, 4); each rank but 0 started once rank 0 says that it
-      waits, as a person starts them;
+      rank 1 where the person forgot the flag (the default, 4); each rank but 0 started once rank 0 listens, as a
+      person starts them;
     - "copy": tests/learner.py, the parameter server's tutorial part copied into a program of a learner's own,
       without the plumbing, with two trainers and the upstream example's launcher;
     - "hosts": where network namespaces can be made, else the reason why not (a str); then the RNN's one command
       runs on host B, whose hostname resolves to B's address, and "rnn listening" holds the addresses its
       processes listened on while they trained;
-      "vanished": the runs of VANISHING by script, a list of ranks, rank 0 on host A and the others on B, each
-      under way when A's link went down, "down" seconds later all had ended;
+      "vanished": the runs of VANISHING by script, a list of ranks, rank 0 on host A and the others on B (each
+      PYTHONUNBUFFERED=1), each under way when A's link went down, "down" seconds later all had ended;
       "torchrun addrs" and "torchrun": the RNN under torchrun across a second pair of hosts, one agent on each."""
     started = []
 
@@ -463,15 +481,13 @@ def shared_runs(tmp_path_factory, tiny_mnist):
         started.append(run)  # several threads start runs: each returns its own
         return run
 
-    def ranks(script, world_size, *args, addr="localhost"):
-        common = [f"--world_size={world_size}", "--master_addr", addr, "--master_port", free_port(), *args]
-        return [start(script, *common, f"--rank={rank}") for rank in range(world_size)]
+    def ranks(script, world_size, *args, env=None):
+        common = [f"--world_size={world_size}", "--master_port", free_port(), *args]
+        return [start(script, *common, f"--rank={rank}", env=env) for rank in range(world_size)]
 
-    def once_waiting(first, *args, late=0, **kwargs):
-        """Start a rank as a person would, `late` s after `first` has said that it waits."""
-        deadline = time.monotonic() + HANG
-        while " waits " not in first.err and first.proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
+    def once_listening(first, *args, late=0, **kwargs):
+        """Start a rank as a person would, `late` s after rank 0, started as `first`, listens."""
+        listening(first)
         time.sleep(late)
         return start(*args, **kwargs)
 
@@ -487,17 +503,18 @@ def shared_runs(tmp_path_factory, tiny_mnist):
         killed(ranks[1])
 
     ps_flags = ["--data_dir", tiny_mnist, f"--epochs={PS_EPOCHS}"]
-    rnn_at = ["--master_addr", (own_address() or (None, "localhost"))[1], "--master_port", free_port()]
+    ifname, addr = own_address() or ("lo", "localhost")
+    rnn_at = ["--master_addr", addr, "--ifname", ifname, "--master_port", free_port()]
     slow, slow_port = slow_agent(tmp_path_factory.mktemp("slow")), ["--master_port", free_port(), "--max_episodes=3"]
     scripts_port, sizes, ps_sizes = free_port(), ["--master_port", free_port()], ["--master_port", free_port()]
 
     def by_hand(first, *later):
-        """Ranks started one terminal each, as a person starts them: first, then each of later (start's arguments,
-        with late=) once first says that it waits."""
+        """Ranks started one terminal each, as a person starts them: first, rank 0, then each of later (start's
+        arguments, with late=) once first listens."""
         def begin():
             ranks = [start(*first[0], **first[1])]
             for args, kwargs in later:
-                ranks.append(once_waiting(ranks[0], *args, **kwargs))
+                ranks.append(once_listening(ranks[0], *args, **kwargs))
             return ranks
         return begin
 
@@ -524,8 +541,9 @@ def shared_runs(tmp_path_factory, tiny_mnist):
                               *flags]
                     runs["vanished"][script] = [
                         start(script if rank else gpu_host(tmp_path_factory.mktemp("gpus")), *common,
-                              f"--rank={rank}", timeout=VANISH_TIMEOUT, netns=host_b if rank else host_a,
-                              env={"OMP_NUM_THREADS": "1"}) for rank in range(world_size)]
+                              f"--rank={rank}", "--ifname", "v" + host[3:], timeout=VANISH_TIMEOUT, netns=host,
+                              env={"OMP_NUM_THREADS": "1", **LIVE})
+                        for rank in range(world_size) for host in [host_b if rank else host_a]]
                 return [run for ranks in runs["vanished"].values() for run in ranks]
 
             def rnn_on_host_b():
@@ -546,16 +564,17 @@ def shared_runs(tmp_path_factory, tiny_mnist):
             endpoint = f"{addrs[0]}:{free_port()}"
             runs["torchrun addrs"] = addrs
             cases.append((4, case("torchrun", lambda: [  # an agent and its rank on each
-                start("rpc_rnn_model_parallel.py", "--epochs=2", netns=host, python_args=torchrun(addr, endpoint, 1))
+                start("rpc_rnn_model_parallel.py", "--epochs=2", "--ifname", "v" + host[3:], netns=host,
+                      python_args=torchrun(addr, endpoint, 1))
                 for host, addr in zip(hosts, addrs)])))
         cases += [
             (2, case("rnn ranks", by_hand(
                 (["rpc_rnn_model_parallel.py", "--rank=0", *rnn_at], {"timeout": None}),
                 (["rpc_rnn_model_parallel.py", "--rank=1", *rnn_at], {"timeout": None, "late": 2})))),
-            (2, case("bps ranks", lambda: ranks("rpc_batch_parameter_server.py", 2, "--batches", 10 ** 7),
-                     kill_trainer)),
-            (2, case("brl ranks", lambda: ranks("rpc_batch_cartpole.py", 2, "--num_episode", 10 ** 7, BATCH_RL[1]),
-                     kill_observer)),
+            (2, case("bps ranks", lambda: ranks("rpc_batch_parameter_server.py", 2, "--batches", 10 ** 7,
+                                                env=LIVE), kill_trainer)),
+            (2, case("brl ranks", lambda: ranks("rpc_batch_cartpole.py", 2, "--num_episode", 10 ** 7, BATCH_RL[1],
+                                                env=LIVE), kill_observer)),
             (2, case("sizes", by_hand(
                 (["rpc_rl_cartpole.py", "--rank=0", "--world_size=2", *sizes], {"timeout": SIZES_TIMEOUT}),
                 (["rpc_rl_cartpole.py", "--rank=1", "--world_size=3", *sizes], {"timeout": SIZES_TIMEOUT})))),
@@ -569,8 +588,7 @@ def shared_runs(tmp_path_factory, tiny_mnist):
                 "shuffle=True, num_workers=2)\n    test_loader"), "--world_size=2", *ps_flags))),
             (5, case("ddp 4", lambda: start("ddp_rpc_hybrid.py", "--world_size=4", f"--epochs={DDP_EPOCHS}"))),
             (4, case("copy", lambda: start(ROOT / "tests" / "learner.py", free_port(), tiny_mnist, timeout=None))),
-            (4, case("ps", lambda: start("rpc_parameter_server.py", "--world_size=3", f"--data_dir={tiny_mnist}",
-                                         env={"PYTHONUNBUFFERED": "1"}))),  # as some users set it
+            (4, case("ps", lambda: start("rpc_parameter_server.py", "--world_size=3", f"--data_dir={tiny_mnist}"))),
             (3, case("rl", lambda: start("rpc_rl_cartpole.py", "--world_size=2", f"--max_episodes={RL_EPISODES}",
                                          "--log_interval=1"))),
             (4, case("ddp 3", lambda: start("ddp_rpc_hybrid.py", "--world_size=3", f"--epochs={DDP_EPOCHS}"))),

@@ -29,7 +29,7 @@ def test_batch_parameter_server_one_terminal_per_rank(shared_runs):
     # as it runs; its trainer killed, the server names it at once.
     (server, trainer), one_command = shared_runs["bps ranks"], shared_runs["bps 2"]
     assert trainer_lines(trainer.out)[:2] == trainer_lines(one_command.out), (trainer, one_command)
-    assert one_error_line(server) == "Error on rank 0 (ps): lost contact with rank 1 (trainer1)", server
+    assert one_error_line(server) == "Error on rank 0 (ps): cannot reach rank 1 (trainer1)", server
     assert server.ended - trainer.killed < AT_ONCE, server
 
 
@@ -52,5 +52,5 @@ def test_batch_cartpole_one_terminal_per_rank(shared_runs):
     # observer killed, the agent names it at once.
     (agent, observer), one_command = shared_runs["brl ranks"], shared_runs["brl 2"]
     assert episodes(agent.out)[:EPISODES] == episodes(one_command.out), (agent, one_command)
-    assert one_error_line(agent) == "Error on rank 0 (agent): lost contact with rank 1 (observer1)", agent
+    assert one_error_line(agent) == "Error on rank 0 (agent): cannot reach rank 1 (observer1)", agent
     assert agent.ended - observer.killed < AT_ONCE, agent

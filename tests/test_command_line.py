@@ -10,15 +10,14 @@ from conftest import SCRIPTS
 CASES = [
     # the common flags, in every script
     *[(module, argv, problem) for module in SCRIPTS for size in [2 if "rnn" in module else 5] for argv, problem in [
-        ([f"--world-size={size}", f"--rank={size}"], f"--rank must be in [0, {size}) at --world_size {size}"),
-        ([f"--world_size={size}", "--rank=-1"], f"--rank must be in [0, {size}) at --world_size {size}"),
-        (["--timeout=soon"], "argument --timeout: invalid float value: 'soon'"),
+        ([f"--world-size={size}", f"--rank={size}"], f"--rank must be in [0, {size})"),
+        ([f"--world_size={size}", "--rank=-1"], f"--rank must be in [0, {size})"),
+        (["--timeout=soon"], "argument --timeout: invalid number value: 'soon'"),
         (["--timeout=0"], "argument --timeout: 0 is not in [1, 86400]"),  # torch's 0 would mean no limit
         (["--timeout=-5"], "argument --timeout: -5 is not in [1, 86400]"),
         (["--master_port=70000"], "argument --master_port: 70000 is not in [1, 65535]"),
         (["--master_port=-1"], "argument --master_port: -1 is not in [1, 65535]"),
-        (["--seed=-1"], "argument --seed: -1 is not in [0, 4294967295]"),
-        (["--ifname=nosuchif0"], "argument --ifname: invalid choice: 'nosuchif0'"),
+        (["--seed=-1"], "argument --seed: -1 is not in [0, inf]"),
         (["--epoch=1"], "unrecognized arguments: --epoch=1"),  # no prefix matching
     ]],
     # world sizes too small (or large) for the roles, and each script's own flags
@@ -64,5 +63,5 @@ def test_help_explains_every_flag_with_its_default(module, capsys):
     for entry in entries:  # the flag, its metavar, a help text, then the default once
         flags_then_text = r"(-[-\w]+( [A-Z_]+)?,? ?)+ [A-Z(][^()]*(\(.*\))?[^()]*\. \(default: [^()]*\)"
         assert re.fullmatch(flags_then_text, entry), entry
-    assert "--master_port MASTER_PORT Rank 0's port (None: 29500, or a free one for one command). " \
-           "(default: None)" in entries, entries
+    assert "--master_port MASTER_PORT Rank 0's port (None: 29500; one command: a free one). (default: None)" \
+        in entries, entries

@@ -26,16 +26,17 @@ def test_the_readmes_command_learns_with_two_trainers(shared_runs):
         figures = summary("\n".join(line for line in proc.out.splitlines() if f"rank={rank} " in line))
         assert figures["batches"] == str(BATCHES) and f"Accuracy {figures['accuracy']}" in proc.out, proc.out
         assert float(figures["accuracy"]) >= 0.5, f"it should learn: {proc.out}"
-    # Its two trainers print at once, unbuffered (PYTHONUNBUFFERED=1): every line reaches the pipe whole.
-    known = (r"Starting 3 ranks on port \d+", r"Using 0 GPUs to train", r"Putting (first 2 convs|rest of layers) on cpu",
+    # It prints the tutorial's lines and ours, nothing else.
+    known = (r"Using 0 GPUs to train", r"Putting (first 2 convs|rest of layers) on cpu",
              r"PS master initializing RPC", r"RPC initialized! Running parameter server\.\.\.", r"Worker rank \d "
              r"initializing RPC", r"Worker \d done initializing RPC", r"Rank \d training batch \d+ loss \d+\.\d{4}",
              r"Training complete!", r"Getting accuracy\.\.\.\.", r"Accuracy \d\.\d{4}", r"RPC shutdown on parameter "
              r"server\.", r"Summary: rank=\d batches=\d+ seconds=[\d.]+ ms_per_batch=[\d.]+ accuracy=\d\.\d{4}")
     assert all(any(re.fullmatch(form, line) for form in known) for line in proc.out.splitlines()), proc.out
-    # The first loss printed comes before any step, the last after both trainers' steps, in whatever order.
-    losses = [float(loss) for loss in re.findall(r"^Rank \d training batch \d+ loss (\S+)$", proc.out, re.M)]
-    assert losses[-1] < losses[0] / 2, f"it should learn: {proc.out}"
+    # The shared model learns: a trainer's first loss came before any step, and one's last, after the steps of
+    # both, is under half of it (each rank's lines come when it ends, so not in the order printed).
+    first, last = zip(*((lines[0], lines[-1]) for rank in (1, 2) for lines in [loss_lines(proc.out, rank)]))
+    assert min(float(loss) for _, loss in last) < max(float(loss) for _, loss in first) / 2, proc.out
 
 
 def test_one_trainer_same_seed_same_numbers_with_dataloader_workers(shared_runs):

@@ -63,7 +63,7 @@ NESTED = ("ValueError: On WorkerInfo(id=0, name=ps):\nValueError('On WorkerInfo(
 
 
 @pytest.mark.parametrize("report, line", [
-    (NESTED, "rank 0 (ps): ValueError: bug"),  # the rank and the innermost exception
+    (NESTED, "rank 0 (ps): ValueError('bug')"),  # the rank and the innermost exception
     # a later release that words its report otherwise: the line quotes its first line, still a true one
     (NESTED.replace("On WorkerInfo(id=0, name=ps)", "From worker 0 (ps)"), "ValueError: ValueError: From worker 0 (ps):"),
 ], ids=["torch's report", "reworded"])

@@ -20,8 +20,8 @@ ARGUMENTS = sorted({(script, tuple(words[words.index(script) + 1:])) for command
 
 def test_every_command_is_a_known_kind():
     others = set(COMMANDS) - set(SCRIPTS)
-    assert others <= {"pip install -r requirements.txt", "pip install pytest", "python -m pytest",
-                      "pip install torch==2.14.1 torchvision==0.29.2 --index-url https://download.pytorch.org/whl/cpu"}, others
+    assert others <= {"pip install -r requirements.txt", "pip install pytest psutil", "python -m pytest",
+                      "pip install torch torchvision --index-url https://download.pytorch.org/whl/cpu"}, others
     assert "python -m pytest" in COMMANDS  # .ci/run runs the README's test command
     for script in SCRIPT_FILES:  # each with one command, and one terminal per rank, and torchrun
         assert any(script in command and "--rank" not in command and "torchrun" not in command

@@ -12,7 +12,6 @@ def test_one_command_learns(shared_runs):
     # The README's command as written: both ranks started by torch.multiprocessing on a free port.
     proc = shared_runs["rnn"]
     assert_succeeded(proc)
-    assert re.search(r"^Starting 2 ranks on port \d+$", proc.out, re.M), proc
     losses = epoch_losses(proc.out)
     assert len(losses) == RNN_EPOCHS and losses[-1] < losses[0] - 0.5, f"the loss should fall: {proc.out}"
     assert summary(proc.out, timings=False) == {"epochs": str(RNN_EPOCHS), "final_loss": f"{losses[-1]:.4f}"}, proc
