@@ -182,7 +182,7 @@ class Agent:
 # The tutorial's run_worker(rank, world_size, n_episode, batch, print_log), with the flags in args.
 # Its main() times world sizes 2 to 11, batch and not (benchmarks/bench_batch_cartpole.py: 2 to 9).
 def run_worker(rank, world_size, args):
-    torch.set_num_threads(1)  # tiny ops: more threads only spin against other ranks
+    torch.set_num_threads(1)  # not in the tutorial: tiny ops, more threads only spin
     options = backend_options(args, num_worker_threads=args.agent_threads if rank == 0 else 16)
     with meeting(rank, args):
         rpc.init_rpc(worker_name(rank, world_size), rank=rank, world_size=world_size,

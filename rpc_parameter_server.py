@@ -45,7 +45,8 @@ class Net(nn.Module):
         if "cuda" in str(device) and num_gpus > 1:
             device = torch.device("cuda:1")
         print(f"Putting rest of layers on {str(device)}")
-        # nn.Dropout, as pytorch/examples' MNIST now has: Dropout2d warns on 2-D input.
+        # nn.Dropout, as pytorch/examples' MNIST now has: the tutorial's Dropout2d warns on
+        # dropout2's 2-D input.
         self.dropout1 = nn.Dropout(0.25).to(device)
         self.dropout2 = nn.Dropout(0.5).to(device)
         self.fc1 = nn.Linear(9216, 128).to(device)
@@ -162,7 +163,7 @@ def run_training_loop(rank, num_gpus, train_loader, test_loader, epochs=1):
     param_rrefs = net.get_global_param_rrefs()
     opt = DistributedOptimizer(optim.SGD, param_rrefs, lr=0.03)
     start = time.perf_counter()
-    for epoch in range(epochs):
+    for epoch in range(epochs):  # --epochs passes, where the tutorial makes one
         for i, (data, target) in enumerate(train_loader):
             with dist_autograd.context() as cid:
                 model_output = net(data)
@@ -195,6 +196,7 @@ def get_accuracy(test_loader, model):
             correct = pred.eq(target.view_as(pred)).sum().item()
             correct_sum += correct
     acc = correct_sum / len(test_loader.dataset)
+    # To 4 places and returned, for the Summary line: the tutorial prints all, returns none.
     print(f"Accuracy {acc:.4f}")
     return acc
 
@@ -205,7 +207,7 @@ def run_worker(rank, world_size, args):
     if rank == 0:
         return run_parameter_server(rank, world_size, args)
     print(f"Worker rank {rank} initializing RPC")
-    torch.set_num_threads(1)  # more threads would only spin
+    torch.set_num_threads(1)  # not in the tutorial: more threads would only spin
     with meeting(rank, args):
         rpc.init_rpc(worker_name(rank, world_size), rank=rank, world_size=world_size,
                      rpc_backend_options=backend_options(args))

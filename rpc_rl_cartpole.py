@@ -144,7 +144,7 @@ class Agent:
 
 
 def run_worker(rank, world_size, args):  # args: the flags, the tutorial's globals
-    torch.set_num_threads(1)  # the policy is tiny: a second thread only spins
+    torch.set_num_threads(1)  # not in the tutorial: the policy is tiny, a second thread spins
     # One RPC thread on the agent: the threads that build the graph order the gradients' sum.
     options = backend_options(args, num_worker_threads=1 if rank == 0 else 16)
     with meeting(rank, args):
