@@ -272,8 +272,9 @@ def run_rank(rank, args):
         torch.manual_seed(args.seed + rank)
         torch.empty(30 * 2**20, dtype=torch.uint8)  # freed: raises glibc's trim threshold
         run_worker(rank, args.world_size, args)
+        ending.acquire()  # done: no more lines
         if rank == 0:
-            time.sleep(1)  # the peers' rpc.shutdown() reads its store
+            time.sleep(1)  # peers' shutdown uses its store
     except Exception as exc:
         time.sleep(1)
         check_peers(rank, args)
@@ -291,7 +292,7 @@ def in_range(kind, low, high=math.inf):
 def parse_common(parser, argv, world_size, least, most=math.inf):
     add, env = parser.add_argument, os.environ.get
     add("--world_size", "--world-size", type=in_range(int, least, most),
-        default=env("WORLD_SIZE", world_size), help="Processes, all roles.")
+        default=env("WORLD_SIZE", world_size), help="Processes in all.")
     add("--rank", type=int, default=env("RANK"), help="Run only this rank (None: all).")
     add("--master_addr", default=env("MASTER_ADDR", "localhost"), help="Rank 0's address.")
     add("--master_port", type=in_range(int, 1, 65535), default=env("MASTER_PORT"),
@@ -299,7 +300,7 @@ def parse_common(parser, argv, world_size, least, most=math.inf):
     add("--ifname", help="Network interface (None: lo if rank 0 is local).")
     add("--timeout", type=in_range(float, 1, 86400), default=60, help="Seconds to wait for peers.")
     add("--debug", action="store_true", help="On a failure: traceback, torch's log.")
-    add("--seed", type=in_range(int, 0), default=1, help="Seeds all random draws.")
+    add("--seed", type=in_range(int, 0), default=1, help="Seeds every draw.")
     args = parser.parse_args(argv)
     if not 0 <= (args.rank or 0) < args.world_size:
         parser.error(f"--rank must be in [0, {args.world_size})")
@@ -317,11 +318,11 @@ def main():
     with socket.socket() as free:
         free.bind(("", 0))
         args.master_port = args.master_port or free.getsockname()[1]
-    try:  # forked: spawn re-imports torch per rank
+    try:  # forked: spawn re-imports torch
         mp.start_processes(run_rank, (args,), args.world_size, start_method="fork")
     except mp.ProcessExitedException as exc:
         how = exc.signal_name or f"exit code {exc.exit_code}"
-        sys.exit(f"Rank {exc.error_index} ended ({how}): stopped every rank.")
+        sys.exit(f"Rank {exc.error_index} ended ({how}).")
 
 
 if __name__ == "__main__":
