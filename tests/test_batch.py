@@ -1,56 +1,63 @@
-"""The batch tutorial's two scripts: rpc_batch_parameter_server.py and rpc_batch_cartpole.py, in one command at
-world size 2 and 3, and one terminal per rank until a peer is killed (the copied classes: test_classes.py)."""
+"""The batch tutorial's rpc_batch_parameter_server.py and rpc_batch_cartpole.py: one command, and
+one terminal per rank until a peer dies (their classes as copied: test_classes.py)."""
 import re
 
-from conftest import BATCH_RL, assert_succeeded, one_error_line, summary
-
-EPISODES, STEPS = (int(flag.split("=")[1]) for flag in BATCH_RL)
-AT_ONCE = 60  # a survivor of a killed peer ends within this (as in test_failures.py: only "bounded")
+from conftest import AT_ONCE, LIVE, assert_succeeded, episodes, one_error_line, summary, terminals
 
 
 def trainer_lines(out):
     return re.findall(r"^trainer\d batch \d+ loss \d\.\d{4}$", out, re.M)
 
 
-def test_batch_parameter_server_learns_in_one_command(shared_runs):
-    # One and two trainers: the server steps once every trainer has sent its gradients. Each trainer prints
-    # its loss every 10 batches, rank 0 the mean over trainers of the first and the last.
-    for trainers, proc in ((1, shared_runs["bps 2"]), (2, shared_runs["bps 3"])):
-        assert_succeeded(proc)
-        figures = summary(proc.out, timings=False)
-        assert figures["trainers"] == str(trainers) and figures["batches"] == "20", proc
-        printed = sorted(line.split(" loss")[0] for line in trainer_lines(proc.out))
-        assert printed == [f"trainer{t} batch {b}" for t in range(1, trainers + 1) for b in (0, 10)], proc
-        assert float(figures["final_loss"]) < float(figures["first_loss"]) / 2, f"it should learn: {proc}"
+def test_batch_parameter_server_two_trainers_learn(run):
+    # The server steps once both trainers' gradients are in. Each trainer prints its loss every 10
+    # batches; rank 0 the mean over trainers of the first and the last.
+    proc = run("rpc_batch_parameter_server.py", "--world_size=3", "--batches=20").wait()
+    assert_succeeded(proc)
+    figures = summary(proc.out)
+    assert figures["trainers"] == "2" and figures["batches"] == "20", proc
+    printed = sorted(line.split(" loss")[0] for line in trainer_lines(proc.out))
+    assert printed == [f"trainer{t} batch {b}" for t in (1, 2) for b in (0, 10)], proc
+    assert float(figures["final_loss"]) < float(figures["first_loss"]) / 2, f"it should learn: {proc}"
 
 
-def test_batch_parameter_server_one_terminal_per_rank(shared_runs):
-    # One trainer drives the server alone: one terminal per rank prints the one command's losses, for as long
-    # as it runs; its trainer killed, the server names it at once.
-    (server, trainer), one_command = shared_runs["bps ranks"], shared_runs["bps 2"]
+def test_batch_parameter_server_same_seed_one_terminal_per_rank_until_its_trainer_dies(run):
+    # One trainer drives the server alone: one terminal per rank prints the one command's losses
+    # for as long as it runs; its trainer killed, the server names it at once.
+    one_command = run("rpc_batch_parameter_server.py", "--world_size=2", "--batches=20")
+    server, trainer = terminals(run, "rpc_batch_parameter_server.py", 2, "--batches", 10 ** 7,
+                                env=LIVE)
+    trainer.wait_for("trainer1 batch 20 ")
+    trainer.kill()
+    killed = trainer.wait().ended
+    assert_succeeded(one_command.wait())
+    assert summary(one_command.out)["trainers"] == "1" and len(trainer_lines(one_command.out)) == 2
     assert trainer_lines(trainer.out)[:2] == trainer_lines(one_command.out), (trainer, one_command)
-    assert one_error_line(server) == "Error on rank 0 (ps): cannot reach rank 1 (trainer1)", server
-    assert server.ended - trainer.killed < AT_ONCE, server
+    assert one_error_line(server.wait()) == "Error on rank 0 (ps): cannot reach rank 1 (trainer1)"
+    assert server.ended - killed < AT_ONCE, server
 
 
-def episodes(out):
-    return re.findall(r"^Episode (\d+)\tLast reward: (\d+\.\d\d)\tAverage reward: (\d+\.\d\d)$", out, re.M)
+def test_batch_cartpole_two_observers_without_batching(run):
+    # Every observer plays n_steps in every episode, as in the tutorial.
+    proc = run("rpc_batch_cartpole.py", "--world_size=3", "--no-batch", "--num_episode=3",
+               "--n_steps=50").wait()
+    assert_succeeded(proc)
+    assert [int(n) for n, *_ in episodes(proc.out)] == [0, 1, 2], proc
+    figures = summary(proc.out)
+    assert (figures["episodes"], figures["steps"], figures["batch"]) == ("3", "300", "false"), proc
 
 
-def test_batch_cartpole_in_one_command(shared_runs):
-    # One observer batching (a batch of one), and two observers without batching; every observer plays
-    # n_steps in every episode, as in the tutorial.
-    for observers, batch, proc in ((1, "true", shared_runs["brl 2"]), (2, "false", shared_runs["brl 3"])):
-        assert_succeeded(proc)
-        assert [int(n) for n, *_ in episodes(proc.out)] == list(range(EPISODES)), proc
-        figures = summary(proc.out, timings=False)
-        assert figures == {"episodes": str(EPISODES), "steps": str(EPISODES * STEPS * observers), "batch": batch}
-
-
-def test_batch_cartpole_one_terminal_per_rank(shared_runs):
-    # One observer: the agent alone decides, so one terminal per rank plays the one command's episodes; its
-    # observer killed, the agent names it at once.
-    (agent, observer), one_command = shared_runs["brl ranks"], shared_runs["brl 2"]
-    assert episodes(agent.out)[:EPISODES] == episodes(one_command.out), (agent, one_command)
-    assert one_error_line(agent) == "Error on rank 0 (agent): cannot reach rank 1 (observer1)", agent
-    assert agent.ended - observer.killed < AT_ONCE, agent
+def test_batch_cartpole_same_seed_one_terminal_per_rank_until_its_observer_dies(run):
+    # One observer, batching (a batch of one): the agent alone decides, so one terminal per rank
+    # plays the one command's episodes; its observer killed, the agent names it at once.
+    one_command = run("rpc_batch_cartpole.py", "--num_episode=3", "--n_steps=50")
+    agent, observer = terminals(run, "rpc_batch_cartpole.py", 2, "--num_episode", 10 ** 7,
+                                "--n_steps=50", env=LIVE)
+    agent.wait_for("Episode 2\t")
+    observer.kill()
+    killed = observer.wait().ended
+    assert_succeeded(one_command.wait())
+    assert summary(one_command.out)["batch"] == "true" and len(episodes(one_command.out)) == 3
+    assert episodes(agent.out)[:3] == episodes(one_command.out), (agent, one_command)
+    assert one_error_line(agent.wait()) == "Error on rank 0 (agent): cannot reach rank 1 (observer1)"
+    assert agent.ended - killed < AT_ONCE, agent
