@@ -34,7 +34,7 @@ from torch.distributed.rpc import RRef, remote
 from torch.distributions import Categorical
 
 AGENT_NAME = "agent"
-OBSERVER_NAME = "obs{}"
+OBSERVER_NAME = "obs{}"  # the tutorial's "obs" names all observers alike
 
 
 class Policy(nn.Module):
@@ -56,11 +56,13 @@ class Observer:
     def __init__(self, seed=1):  # the tutorial's global args.seed
         self.id = rpc.get_worker_info().id
         self.env = gym.make("CartPole-v1")
-        # By rank: the tutorial's env.seed(args.seed) gives every observer the same first states.
+        # By rank: the tutorial's env.seed(args.seed) starts every observer alike.
         self.env.reset(seed=seed + self.id)
 
     def run_episode(self, agent_rref):
         state, _ = self.env.reset()  # gymnasium's (state, info)
+        # No n_steps: the tutorial's 100 / observers holds every reward under the threshold.
+        # The tutorial: _remote_method(Agent.<method>, agent_rref, ...), the same calls.
         for _ in range(10000):
             # send the state to the agent to get an action
             action = agent_rref.rpc_sync().select_action(self.id, state)
@@ -83,7 +85,7 @@ class Agent:
         self.eps = torch.finfo(torch.float32).eps  # as the tutorial's numpy
         self.running_reward = 0
         self.reward_threshold = gym.make("CartPole-v1").spec.reward_threshold
-        self.total_steps = 0
+        self.total_steps = 0  # not in the tutorial: for the Summary line
         for ob_rank in range(1, world_size):
             ob_info = rpc.get_worker_info(OBSERVER_NAME.format(ob_rank))
             self.ob_rrefs.append(remote(ob_info, Observer, kwargs={"seed": seed}))
@@ -104,11 +106,10 @@ class Agent:
     def run_episode(self):
         futs = []
         for ob_rref in self.ob_rrefs:
-            # One RPC: the tutorial's rpc_async of ob_rref.rpc_sync().run_episode makes the observer
-            # call itself a second time.
+            # The tutorial: rpc_async(ob_rref.owner(), _call_method, ...), the same call.
             futs.append(ob_rref.rpc_async().run_episode(self.agent_rref))
 
-        # until all finish or one fails (the tutorial's fut.wait() in turn sits on one)
+        # until all finish or one fails (the tutorial waits on each in turn)
         torch.futures.wait_all(futs)
 
     def finish_episode(self):
@@ -116,7 +117,7 @@ class Agent:
         probs, returns = [], []
         for ob_id in self.rewards:
             probs.extend(self.saved_log_probs[ob_id])
-            # Per observer: the tutorial's returns run across observers' episodes joined.
+            # Per observer: the tutorial's returns run across the joined episodes.
             R, ob_returns = 0, []
             for r in self.rewards[ob_id][::-1]:
                 R = r + self.gamma * R
@@ -152,6 +153,7 @@ def run_worker(rank, world_size, args):  # args: the flags, the tutorial's globa
                      rpc_backend_options=options)
     if rank == 0:
         agent = Agent(world_size, gamma=args.gamma, seed=args.seed)
+        # Not in the tutorial: when it stops.
         print(f"This will run until reward threshold of {agent.reward_threshold} is reached"
               + (f", or for {args.max_episodes} episodes." if args.max_episodes else "."))
         start = time.perf_counter()
@@ -187,9 +189,10 @@ def parse_args(argv=None):  # the tutorial parses at import
         epilog="Rank 0 is the agent, every other rank an observer.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
     add = parser.add_argument
+    # 10, as the tutorial's sample output (its flag says 1).
     add("--log_interval", type=in_range(int, 1), default=10, help="Episodes between status lines.")
     add("--gamma", type=in_range(float, 0, 1), default=0.99,
-        help="How much to value future rewards.")
+        help="How much to value future rewards.")  # the tutorial's 0.1 sees a step ahead
     add("--max_episodes", type=in_range(int, 0), default=0,
         help="Stop after this many episodes (0: when solved, as the tutorial).")
     return parse_common(parser, argv, world_size=2, least=2)

@@ -55,8 +55,7 @@ class Decoder(nn.Module):
         return self.decoder(self.drop(output))
 
 
-# The tutorial's _remote_method(method_rref, ...) is handed a method first and fails: a function
-# has no local_value(). These two, as in pytorch/examples' rnn.py, run it on the RRef's owner.
+# The tutorial's part 1 helpers: run a function on an RRef's owner.
 def _call_method(method, rref, *args, **kwargs):
     return method(rref.local_value(), *args, **kwargs)
 
@@ -128,6 +127,7 @@ def run_trainer(epochs=10):  # the tutorial's 10
         losses = []
         for data, target in get_next_batch():
             with dist_autograd.context() as context_id:
+                # As the tutorial's detach_(), but out of place.
                 hidden = (hidden[0].detach(), hidden[1].detach())
                 output, hidden = model(data, hidden)
                 # Logits last: CrossEntropyLoss reads dim 1, the tutorial's nindices, as classes.
@@ -146,19 +146,19 @@ def worker_name(rank, world_size):
     return "trainer" if rank == 1 else "ps"
 
 
-def run_worker(rank, world_size, args):  # args: the flags; the tutorial has none
+def run_worker(rank, world_size, args):  # args: the flags; the tutorial's RNN has none
     # One RPC thread: the two parts are built in the order asked, as --seed needs.
     with meeting(rank, args):
         rpc.init_rpc(worker_name(rank, world_size), rank=rank, world_size=world_size,
                      rpc_backend_options=backend_options(args, num_worker_threads=1))
     if rank == 1:
-        run_trainer(args.epochs)
+        run_trainer(args.epochs)  # as defined: the tutorial calls _run_trainer()
     # else: the parameter server does nothing
     say_done(rank, args)  # not in the tutorial: rank 0 watches until all are done
     rpc.shutdown()
 
 
-def parse_args(argv=None):  # the tutorial has no flags
+def parse_args(argv=None):  # the tutorial's RNN takes no flags
     parser = argparse.ArgumentParser(
         description="A distributed RNN, model parallel",
         epilog="Rank 0 is the parameter server, rank 1 the trainer.",
