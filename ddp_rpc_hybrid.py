@@ -73,7 +73,7 @@ def _run_trainer(remote_emb_module, rank, epochs=100, device=None):  # None: the
     opt = DistributedOptimizer(optim.SGD, model_parameter_rrefs, lr=0.05)
     criterion = torch.nn.CrossEntropyLoss()
 
-    def get_next_batch():
+    def get_next_batch():  # no rank: targets go to model.device, which may be the CPU
         # Each bag from its class's part of the table: the tutorial's random targets teach nothing.
         # torch's generator, not the tutorial's random module: --seed repeats the batches.
         for _ in range(10):
@@ -137,19 +137,17 @@ def run_worker(rank, world_size, args):  # args: the flags; the tutorial has non
                                 kwargs={"epochs": args.epochs, "device": device}, timeout=0)
             futs.append(fut)
 
-        # Until all finish or one fails (the tutorial's fut.wait() in turn sits on one trainer).
-        while not all(fut.done() for fut in futs):
-            time.sleep(1)
-            torch.futures.wait_all([fut for fut in futs if fut.done()])  # raises an error
+        # wait_all, not the tutorial's fut.wait() in turn: the first error ends the wait.
         results = torch.futures.wait_all(futs)
         first = results[0][1]  # did DDP keep the replicas equal?
         in_sync = all(torch.equal(fc[key], first[key]) for _, fc in results for key in first)
         in_sync = str(in_sync).lower() if len(results) > 1 else "n/a"
         losses = " ".join(f"trainer{i}_loss={loss[-1]:.4f}" for i, (loss, _) in enumerate(results))
+        # not in the tutorial: for people and scripts
         print(f"Summary: epochs={args.epochs} seconds={time.perf_counter() - start:.2f} {losses} "
               f"fc_in_sync={in_sync}")
     say_done(rank, args)  # not in the tutorial: rank 0 watches until all are done
-    rpc.shutdown()
+    rpc.shutdown()  # blocks until all RPCs finish
 
 
 def worker_name(rank, world_size):

@@ -29,7 +29,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.optim as optim
-from torch.distributed.rpc import RRef, remote
+from torch.distributed.rpc import RRef
 from torch.distributions import Categorical
 
 NUM_STEPS = 500
@@ -92,6 +92,7 @@ class Observer:
 
 
 class Agent:
+    # gamma, seed: the tutorial's global args, passed on to each Observer.
     def __init__(self, world_size, batch=True, gamma=1.0, seed=543):
         self.ob_rrefs = []
         self.agent_rref = RRef(self)
@@ -104,7 +105,7 @@ class Agent:
 
         for ob_rank in range(1, world_size):
             ob_info = rpc.get_worker_info(OBSERVER_NAME.format(ob_rank))
-            self.ob_rrefs.append(remote(ob_info, Observer, args=(batch, gamma, seed)))
+            self.ob_rrefs.append(rpc.remote(ob_info, Observer, args=(batch, gamma, seed)))
             self.rewards[ob_info.id] = []
 
         self.states = torch.zeros(len(self.ob_rrefs), 1, 4)
@@ -113,6 +114,15 @@ class Agent:
         self.future_actions = torch.futures.Future()
         self.lock = threading.Lock()
         self.pending_states = len(self.ob_rrefs)
+
+    @staticmethod
+    def select_action(agent_rref, ob_id, state):
+        self = agent_rref.local_value()
+        probs = self.policy(state.to(self.device))
+        m = Categorical(probs)
+        action = m.sample()
+        self.saved_log_probs[ob_id].append(m.log_prob(action))
+        return action.item()
 
     @staticmethod
     @rpc.functions.async_execution
@@ -136,15 +146,6 @@ class Agent:
                 self.future_actions = torch.futures.Future()
                 future_actions.set_result(actions.cpu())
         return future_action
-
-    @staticmethod
-    def select_action(agent_rref, ob_id, state):
-        self = agent_rref.local_value()
-        probs = self.policy(state.to(self.device))
-        m = Categorical(probs)
-        action = m.sample()
-        self.saved_log_probs[ob_id].append(m.log_prob(action))
-        return action.item()
 
     def run_episode(self, n_steps=0):
         futs = []
@@ -179,8 +180,9 @@ class Agent:
         return ep_rewards, self.running_reward
 
 
-# The tutorial's run_worker(rank, world_size, n_episode, batch, print_log), with the flags in args.
-# Its main() times world sizes 2 to 11, batch and not (benchmarks/bench_batch_cartpole.py: 2 to 9).
+# The tutorial's run_worker(rank, world_size, n_episode, batch, print_log), with the flags in args
+# and always printing, as its main() runs it. Its main() times world sizes 2 to 11, batch and not
+# (benchmarks/bench_batch_cartpole.py: 2 to 9).
 def run_worker(rank, world_size, args):
     torch.set_num_threads(1)  # not in the tutorial: tiny ops, more threads only spin
     options = backend_options(args, num_worker_threads=args.agent_threads if rank == 0 else 16)
@@ -217,6 +219,7 @@ def parse_args(argv=None):  # the tutorial parses at import
     add = parser.add_argument
     add("--gamma", type=in_range(float, 0, 1), default=1.0, help="Discount factor.")
     add("--num_episode", "--num-episode", type=in_range(int, 1), default=10, help="Episodes.")
+    # Flags for the tutorial's NUM_STEPS, and for batch, which its main() runs both ways.
     add("--n_steps", type=in_range(int, 1), default=NUM_STEPS,
         help="Steps per observer and episode.")
     add("--batch", action=argparse.BooleanOptionalAction, default=True,

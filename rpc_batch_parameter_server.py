@@ -1,6 +1,6 @@
 """The tutorial "Implementing Batch RPC Processing Using Asynchronous Executions", part 1
 (https://pytorch.org/tutorials/intermediate/rpc_async_execution.html): rank 0 steps the
-model once every trainer has sent its gradients.
+model once all trainers' gradients are in.
 
     python rpc_batch_parameter_server.py  # every rank; or one terminal each, --rank=R
 """
@@ -32,14 +32,14 @@ batch_size, image_w, image_h, num_classes, batch_update_size = 20, 64, 64, 30, 5
 
 class BatchUpdateParameterServer(object):
     def __init__(self, batch_update_size=batch_update_size):
-        # A small net: the tutorial's ResNet-50 takes seconds a batch on CPUs.
+        # Small: the tutorial's ResNet-50 is slow on CPUs.
         self.model = nn.Sequential(nn.AvgPool2d(4), nn.Flatten(), nn.Linear(768, 64), nn.ReLU(),
                                    nn.Linear(64, num_classes))
         self.lock = threading.Lock()
         self.future_model = torch.futures.Future()
         self.batch_update_size = batch_update_size
         self.curr_update_size = 0
-        # lr 2, not 0.001: MSE over 30 outputs has small gradients.
+        # lr 2, not 0.001: MSE averages over 30 outputs.
         self.optimizer = optim.SGD(self.model.parameters(), lr=2, momentum=0.9)
         for p in self.model.parameters():
             p.grad = torch.zeros_like(p)
@@ -55,7 +55,7 @@ class BatchUpdateParameterServer(object):
             self.curr_update_size += 1
             for p, g in zip(self.model.parameters(), grads):
                 p.grad += g
-            # This call's: another thread may replace it.
+            # Saved: another thread may replace it.
             fut = self.future_model
             if self.curr_update_size >= self.batch_update_size:
                 for p in self.model.parameters():
@@ -72,25 +72,25 @@ class Trainer(object):
     def __init__(self, ps_rref):
         self.ps_rref, self.loss_fn = ps_rref, torch.nn.MSELoss()
         self.device = "cuda" if torch.cuda.is_available() else "cpu"  # the tutorial's cuda
-        # An image per class, shared by the trainers: the tutorial's noise teaches nothing.
+        # Class images: the tutorial's noise teaches nothing.
         self.images = torch.randn(num_classes, 3, image_w, image_h,
                                   generator=torch.Generator().manual_seed(0))
 
     def get_next_batch(self, batches=6):
-        for _ in range(batches):  # labels drawn each batch: the tutorial's stay fixed
+        for _ in range(batches):  # new labels each batch: the tutorial's are fixed
             one_hot_indices = torch.randint(num_classes, (batch_size, 1))
             inputs = torch.normal(self.images[one_hot_indices[:, 0]], 1)
             labels = torch.zeros(batch_size, num_classes).scatter_(1, one_hot_indices, 1)
             yield inputs.to(self.device), labels.to(self.device)
 
-    def train(self, batches=6):
+    def train(self, batches=6):  # not the tutorial's: for --batches and the Summary
         losses = []
         m = self.ps_rref.rpc_sync().get_model().to(self.device)
         for i, (inputs, labels) in enumerate(self.get_next_batch(batches)):
             loss = self.loss_fn(m(inputs), labels)
             loss.backward()
             losses.append(loss.item())
-            if i % 10 == 0:  # with the loss; the example logs every step
+            if i % 10 == 0:  # the example logs each step, no loss
                 print(f"{rpc.get_worker_info().name} batch {i} loss {loss:.4f}")
             m = rpc.rpc_sync(
                 self.ps_rref.owner(),
@@ -107,13 +107,13 @@ def run_trainer(ps_rref, batches=6):
 
 def run_ps(trainers, batches=6):
     start = time.perf_counter()
-    # All trainers': the tutorial's fixed 5 fits its 5 trainers only.
+    # All trainers': the example's 5 is its trainer count.
     ps_rref = rpc.RRef(BatchUpdateParameterServer(batch_update_size=len(trainers)))
     futs = []
-    for trainer in trainers:  # timeout=0, none: training outlasts the default
+    for trainer in trainers:  # timeout=0: training outlasts the default
         futs.append(rpc.rpc_async(trainer, run_trainer, args=(ps_rref, batches), timeout=0))
     losses = torch.tensor(torch.futures.wait_all(futs)).mean(0)
-    seconds = time.perf_counter() - start
+    seconds = time.perf_counter() - start  # not in the tutorial: for people and scripts
     print(f"Summary: trainers={len(trainers)} batches={batches} seconds={seconds:.2f} "
           f"first_loss={losses[0]:.4f} final_loss={losses[-1]:.4f}")
 

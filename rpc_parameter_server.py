@@ -40,8 +40,10 @@ class Net(nn.Module):
         self.num_gpus = num_gpus
         device = torch.device("cuda:0" if torch.cuda.is_available() and num_gpus > 0 else "cpu")
         print(f"Putting first 2 convs on {str(device)}")
+        # Convs on the first GPU, else the CPU.
         self.conv1 = nn.Conv2d(1, 32, 3, 1).to(device)
         self.conv2 = nn.Conv2d(32, 64, 3, 1).to(device)
+        # The rest on a second GPU, if any.
         if "cuda" in str(device) and num_gpus > 1:
             device = torch.device("cuda:1")
         print(f"Putting rest of layers on {str(device)}")
@@ -58,9 +60,9 @@ class Net(nn.Module):
         x = self.conv2(x)
         x = F.max_pool2d(x, 2)
         x = self.dropout1(x)
-        x = torch.flatten(x, 1)
+        x = x.flatten(start_dim=1)
         next_device = next(self.fc1.parameters()).device
-        x = x.to(next_device)
+        x = x.to(next_device)  # fc1 may be on another device
         x = self.fc1(x)
         x = F.relu(x)
         x = self.dropout2(x)
@@ -94,8 +96,8 @@ class ParameterServer(nn.Module):
         # One pass at a time: each sets the shared model's train or eval mode.
         with self.forward_lock, torch.set_grad_enabled(training):
             self.model.train(training)
-            # On clones: the tutorial's pass saves the live weights, which another trainer's step
-            # changes before this pass's backward (pytorch/examples#856).
+            # Clones: another trainer's step changes the live weights the tutorial's pass saves,
+            # before its backward (pytorch/examples#856).
             weights = {name: param.clone() for name, param in self.model.named_parameters()}
             out = torch.func.functional_call(self.model, weights, (inp,))
         return out.to("cpu")  # RPC only supports CPU tensors
@@ -103,7 +105,7 @@ class ParameterServer(nn.Module):
     # Use dist autograd to retrieve gradients accumulated for this model.
     def get_dist_gradients(self, cid):
         grads = dist_autograd.get_gradients(cid)
-        return {k.to("cpu"): v.to("cpu") for k, v in grads.items()}
+        return {k.to("cpu"): v.to("cpu") for k, v in grads.items()}  # RPC only supports CPU tensors
 
     # Wrap local parameters in a RRef. Needed for building the DistributedOptimizer.
     def get_param_rrefs(self):
@@ -127,7 +129,8 @@ def get_parameter_server(num_gpus=0):
         return param_server
 
 
-def run_parameter_server(rank, world_size, args):  # args: the flags, the tutorial's globals
+def run_parameter_server(rank, world_size, args):  # args: the flags, which the tutorial's lacks
+    # The server only hosts the model and answers the trainers.
     # Built before init_rpc, not at a trainer's first call: a wrong --num_gpus stops rank 0 at once.
     get_parameter_server(args.num_gpus)
     print("PS master initializing RPC")
@@ -137,7 +140,7 @@ def run_parameter_server(rank, world_size, args):  # args: the flags, the tutori
                      rpc_backend_options=backend_options(args, num_worker_threads=4))
     print("RPC initialized! Running parameter server...")
     say_done(rank, args)  # not in the tutorial: rank 0 watches until all are done
-    rpc.shutdown()
+    rpc.shutdown()  # waits for all trainers to finish
     print("RPC shutdown on parameter server.")
 
 
@@ -172,7 +175,8 @@ def run_training_loop(rank, num_gpus, train_loader, test_loader, epochs=1):
                 if i % 5 == 0:  # 4 decimals, where the tutorial prints all
                     print(f"Rank {rank} training batch {i} loss {loss.item():.4f}")
                 dist_autograd.backward(cid, [loss])
-                if epoch == i == 0:  # once: the tutorial's check in every batch costs an RPC each
+                # Dist autograd gave gradients: checked once, not each batch (an RPC each).
+                if epoch == i == 0:
                     assert remote_method(
                         ParameterServer.get_dist_gradients, net.param_server_rref, cid) != {}
                 opt.step(cid)
@@ -187,10 +191,11 @@ def run_training_loop(rank, num_gpus, train_loader, test_loader, epochs=1):
 def get_accuracy(test_loader, model):
     model.eval()
     correct_sum = 0
+    # A GPU if possible.
     device = torch.device("cuda:0" if model.num_gpus > 0 and torch.cuda.is_available() else "cpu")
     with torch.no_grad():
         for i, (data, target) in enumerate(test_loader):
-            out = model(data)
+            out = model(data)  # no -1: the tutorial's extra argument fails in forward(x)
             pred = out.argmax(dim=1, keepdim=True)
             pred, target = pred.to(device), target.to(device)
             correct = pred.eq(target.view_as(pred)).sum().item()
@@ -201,8 +206,8 @@ def get_accuracy(test_loader, model):
     return acc
 
 
-# One entry for every rank, as torch.multiprocessing and torchrun call it: the tutorial's __main__
-# picks run_parameter_server or run_worker(rank, world_size, num_gpus, train_loader, test_loader).
+# One entry for every rank, as mp and torchrun call it: the tutorial's __main__ picks
+# run_parameter_server or run_worker(rank, world_size, num_gpus, train_loader, test_loader).
 def run_worker(rank, world_size, args):
     if rank == 0:
         return run_parameter_server(rank, world_size, args)
@@ -213,11 +218,11 @@ def run_worker(rank, world_size, args):
                      rpc_backend_options=backend_options(args))
     print(f"Worker {rank} done initializing RPC")
     # After init_rpc, unlike the tutorial: a download delays no peer's meeting.
-    with machine_lock():
+    with machine_lock():  # trainers on one machine download in turn
         train_loader, test_loader = load_mnist(args)
     run_training_loop(rank, args.num_gpus, train_loader, test_loader, epochs=args.epochs)
     say_done(rank, args)  # not in the tutorial: rank 0 watches until all are done
-    rpc.shutdown()
+    rpc.shutdown()  # waits for every worker, the server too
 
 
 def load_mnist(args):
@@ -253,6 +258,7 @@ def parse_args(argv=None):
         epilog="Rank 0 is the parameter server, every other rank a trainer.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
     add = parser.add_argument
+    # Flags, as in the tutorial's commands: its code makes rank and num_gpus positional.
     add("--num_gpus", type=in_range(int, 0, 2), default=0, help="GPUs to use for training.")
     add("--epochs", type=in_range(int, 1), default=1, help="Epochs each trainer runs.")
     add("--data_dir", default="./data", help="Where MNIST/ is, or goes (the tutorial's ../data).")
