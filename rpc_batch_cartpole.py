@@ -260,8 +260,7 @@ def check_peers(rank, args):
             elif met.is_set():
                 rpc.rpc_sync(name, os.getpid, timeout=args.timeout)
         except Exception:
-            at = f" at {args.master_addr}:{args.master_port}" if rank else ""
-            stop(rank, args, f"cannot reach rank {peer} ({name}){at}")
+            stop(rank, args, f"cannot reach rank {peer} ({name})")
 
 
 def watch(rank, args):
@@ -277,7 +276,7 @@ def note_done(rank):
 
 
 def say_done(rank, args):
-    rpc.rpc_async(worker_name(0, args.world_size), note_done, (rank,))
+    rpc.rpc_async(0, note_done, (rank,))
 
 
 def stop(rank, args, why):
@@ -301,7 +300,7 @@ def describe(exc):
 
 def run_rank(rank, args):
     try:
-        if args.ifname or socket.gethostbyname(args.master_addr).startswith("127."):
+        if socket.gethostbyname(args.master_addr).startswith("127.") or args.ifname:
             os.environ["GLOO_SOCKET_IFNAME"] = os.environ["TP_SOCKET_IFNAME"] = args.ifname or "lo"
         os.environ.update(MASTER_ADDR=args.master_addr, MASTER_PORT=str(args.master_port))
         torch.manual_seed(args.seed + rank)
@@ -310,6 +309,8 @@ def run_rank(rank, args):
         ending.acquire()  # done: no more lines
         if rank == 0:
             time.sleep(1)  # peers' shutdown uses its store
+    except socket.gaierror:
+        stop(rank, args, f"cannot resolve --master_addr {args.master_addr}")
     except Exception as exc:
         time.sleep(1)
         check_peers(rank, args)
@@ -332,13 +333,13 @@ def parse_common(parser, argv, world_size, least, most=math.inf):
     add("--master_addr", default=env("MASTER_ADDR", "localhost"), help="Rank 0's address.")
     add("--master_port", type=in_range(int, 1, 65535), default=env("MASTER_PORT"),
         help="Rank 0's port (None: 29500; one command: a free one).")
-    add("--ifname", help="Network interface (None: lo if rank 0 is local).")
-    add("--timeout", type=in_range(float, 1, 86400), default=60, help="Seconds to wait for peers.")
+    add("--ifname", help="Interface (None: lo if rank 0 is local).")
+    add("--timeout", type=in_range(float, 1, 86400), default=60, help="Seconds to wait (meet: 5x).")
     add("--debug", action="store_true", help="On a failure: traceback, torch's log.")
     add("--seed", type=in_range(int, 0), default=1, help="Seeds every draw.")
     args = parser.parse_args(argv)
     if not 0 <= (args.rank or 0) < args.world_size:
-        parser.error(f"--rank must be in [0, {args.world_size})")
+        parser.error(f"--rank must be in [0, --world_size={args.world_size})")
     return args
 
 

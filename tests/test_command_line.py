@@ -10,8 +10,8 @@ from conftest import IN_PROCESS, SCRIPTS
 pytestmark = [pytest.mark.usefixtures("user_shell"), IN_PROCESS]
 CASES = [  # the shared flags, in one script: the launching section is one text (test_plumbing.py)
     ("rpc_rl_cartpole", argv, problem) for argv, problem in [
-        (["--world-size=3", "--rank=3"], "--rank must be in [0, 3)"),
-        (["--rank=-1"], "--rank must be in [0, 2)"),
+        (["--world-size=3", "--rank=3"], "--rank must be in [0, --world_size=3)"),
+        (["--rank=-1"], "--rank must be in [0, --world_size=2)"),
         (["--timeout=soon"], "argument --timeout: invalid number value: 'soon'"),
         (["--timeout=0"], "argument --timeout: 0 is not in [1, 86400]"),  # torch's 0: no limit
         (["--master_port=70000"], "argument --master_port: 70000 is not in [1, 65535]"),

@@ -21,8 +21,7 @@ def test_an_observer_call_that_times_out_stops_the_run(run, tmp_path):
     assert one_error_line(agent.wait()).startswith("Error on rank 0 (agent): rank 1 (obs1): "
                                                    "RuntimeError("), agent
     assert "Summary:" not in agent.out, agent
-    assert one_error_line(observer.wait()).startswith("Error on rank 1 (obs1): cannot reach rank 0 "
-                                                      "(agent) at "), observer
+    assert one_error_line(observer.wait()) == "Error on rank 1 (obs1): cannot reach rank 0 (agent)"
 
 
 def test_one_command_plays_and_reports_every_episode(run):
