@@ -1,7 +1,5 @@
-"""A learner's own program, `python learner.py PORT MNIST_ROOT`: the parameter server's tutorial
-part (all above its "Launching ranks" banner) copied in, as a notebook cell (no __file__), and run
-as the upstream example runs it: mp.spawn, MASTER_ADDR and MASTER_PORT, rpc.init_rpc with default
-options (but TCP only), the tutorial's calls, rpc.shutdown(). Two trainers share the server."""
+"""`python learner.py PORT MNIST_ROOT`: a learner's program with the parameter server's tutorial
+part copied in, as a notebook cell, run as the upstream example runs it: two trainers."""
 import argparse
 import os
 import sys

@@ -1,40 +1,27 @@
-"""The batch tutorial's rpc_batch_parameter_server.py and rpc_batch_cartpole.py: one command, and
-one terminal per rank until a peer dies (their classes as copied: test_classes.py)."""
+"""The batch tutorial's two scripts: one command, and one terminal per rank until a peer dies."""
 import re
 
-from conftest import AT_ONCE, LIVE, assert_succeeded, episodes, one_error_line, summary, terminals
+from conftest import LIVE, assert_succeeded, ends_with, episodes, summary, terminals
 
 
-def trainer_lines(out):
+def losses(out):
     return re.findall(r"^trainer\d batch \d+ loss \d\.\d{4}$", out, re.M)
-
-
-def test_batch_parameter_server_two_trainers_learn(run):
-    # The server steps once both trainers' gradients are in. Each trainer prints its loss every 10
-    # batches; rank 0 the mean over trainers of the first and the last.
-    proc = run("rpc_batch_parameter_server.py", "--world_size=3", "--batches=20").wait()
-    assert_succeeded(proc)
-    figures = summary(proc.out)
-    assert figures["trainers"] == "2" and figures["batches"] == "20", proc
-    printed = sorted(line.split(" loss")[0] for line in trainer_lines(proc.out))
-    assert printed == [f"trainer{t} batch {b}" for t in (1, 2) for b in (0, 10)], proc
-    assert float(figures["final_loss"]) < float(figures["first_loss"]) / 2, f"it should learn: {proc}"
 
 
 def test_batch_parameter_server_same_seed_one_terminal_per_rank_until_its_trainer_dies(run):
     # One trainer drives the server alone: one terminal per rank prints the one command's losses
-    # for as long as it runs; its trainer killed, the server names it at once.
+    # as long as it runs; its trainer killed, the server names it at once.
     one_command = run("rpc_batch_parameter_server.py", "--world_size=2", "--batches=20")
     server, trainer = terminals(run, "rpc_batch_parameter_server.py", 2, "--batches", 10 ** 7,
                                 env=LIVE)
     trainer.wait_for("trainer1 batch 20 ")
     trainer.kill()
-    killed = trainer.wait().ended
     assert_succeeded(one_command.wait())
-    assert summary(one_command.out)["trainers"] == "1" and len(trainer_lines(one_command.out)) == 2
-    assert trainer_lines(trainer.out)[:2] == trainer_lines(one_command.out), (trainer, one_command)
-    assert one_error_line(server.wait()) == "Error on rank 0 (ps): cannot reach rank 1 (trainer1)"
-    assert server.ended - killed < AT_ONCE, server
+    figures = summary(one_command.out)  # it learns
+    assert float(figures["final_loss"]) < float(figures["first_loss"]) / 2, one_command
+    assert len(losses(one_command.out)) == 2, one_command
+    assert losses(trainer.wait().out)[:2] == losses(one_command.out), (trainer, one_command)
+    ends_with(server, "Error on rank 0 (ps): cannot reach rank 1 (trainer1)")
 
 
 def test_batch_cartpole_two_observers_without_batching(run):
@@ -55,9 +42,7 @@ def test_batch_cartpole_same_seed_one_terminal_per_rank_until_its_observer_dies(
                                 "--n_steps=50", env=LIVE)
     agent.wait_for("Episode 2\t")
     observer.kill()
-    killed = observer.wait().ended
     assert_succeeded(one_command.wait())
     assert summary(one_command.out)["batch"] == "true" and len(episodes(one_command.out)) == 3
     assert episodes(agent.out)[:3] == episodes(one_command.out), (agent, one_command)
-    assert one_error_line(agent.wait()) == "Error on rank 0 (agent): cannot reach rank 1 (observer1)"
-    assert agent.ended - killed < AT_ONCE, agent
+    ends_with(agent, "Error on rank 0 (agent): cannot reach rank 1 (observer1)")
