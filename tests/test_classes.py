@@ -1,6 +1,5 @@
-"""The tutorial classes as a learner copies them, without the plumbing or the script's file,
-called as the tutorials call them, in an RPC group of one named like the parameter server (their
-RPCs land here). Each test imports torch: only the worker that runs them loads it."""
+"""The tutorial classes as a learner copies them, called as the tutorials call them, in an RPC
+group of one. Each test imports torch: only the worker that runs them loads it."""
 import functools
 import sys
 import types
@@ -42,6 +41,21 @@ def test_get_accuracy_evaluates_the_remote_model_in_eval_mode():
     assert not ps.param_server.model.training and torch.equal(net(batch), net(batch))
 
 
+def test_parameter_server_runs_one_pass_at_a_time():
+    # Each pass sets the shared model's mode: evaluation beside training, without dropout.
+    import threading
+
+    import torch
+
+    server = copied("rpc_parameter_server").ParameterServer()
+    batch, outputs = torch.randn(4, 1, 28, 28), []
+    training = threading.Thread(target=lambda: [server.forward(batch) for _ in range(300)])
+    training.start()
+    while training.is_alive():
+        outputs.append(server.forward(batch, training=False))
+    assert len(outputs) > 1 and all(torch.equal(out, outputs[0]) for out in outputs)
+
+
 def test_finish_episode_discounts_each_observers_rewards_alone():
     import torch
 
@@ -51,9 +65,19 @@ def test_finish_episode_discounts_each_observers_rewards_alone():
         agent.rewards[ob], agent.saved_log_probs[ob] = [1.0] * len(probs), list(probs.split(1))
     assert agent.finish_episode() == 2.0  # the shorter episode's total reward
     returns = torch.tensor([1.75, 1.5, 1.0, 1.5, 1.0])  # 1 + 0.5 + 0.25, ...; then 1 + 0.5, 1
-    # The loss, sum(-log_prob * R), has the normalised -R as its gradient by each log_prob.
+    # The gradient of sum(-log_prob * R) by each log_prob: the normalised -R.
     torch.testing.assert_close(torch.cat([log_probs[1].grad, log_probs[2].grad]),
                                -(returns - returns.mean()) / (returns.std() + agent.eps))
+
+
+def test_each_observer_plays_its_own_episodes(monkeypatch):
+    # Seeded by rank, where the tutorial's start alike.
+    rl = copied("rpc_rl_cartpole")
+    starts = []
+    for rank in (1, 2):
+        monkeypatch.setattr(rl.rpc, "get_worker_info", lambda: types.SimpleNamespace(id=rank))
+        starts.append(rl.Observer().env.reset()[0].tolist())
+    assert starts[0] != starts[1], starts
 
 
 def test_rnn_parts_take_the_tutorials_calls_and_sizes():
@@ -73,7 +97,7 @@ def test_rnn_parts_take_the_tutorials_calls_and_sizes():
 def test_hybrid_model_takes_a_rank_or_a_device():
     import torch
 
-    # The tutorial passes a rank, cuda:rank where this host has it; a learner may pass "cpu".
+    # The tutorial's rank, cuda:rank where there is one; a learner's "cpu".
     hybrid, rank_0 = copied("ddp_rpc_hybrid"), "cuda" if torch.cuda.is_available() else "cpu"
     torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0,
                                          world_size=1)

@@ -1,5 +1,4 @@
-"""Bad flag values: exit 2, argparse's usage and a line naming the flag and its range; --help gives
-each flag a help text and its default."""
+"""Bad flag values: exit 2 and a line naming the flag and its range; --help explains each flag."""
 import importlib
 import re
 

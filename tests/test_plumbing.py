@@ -10,9 +10,7 @@ def test_the_launching_section_is_one_text_in_every_script():
 
 
 def test_an_import_starts_nothing_and_a_copied_tutorial_part_keeps_ctrl_c(run, tmp_path):
-    # In a fresh Python, each script imported, then its tutorial part run as a learner's own
-    # program: no line, thread, process or variable appears, no signal is blocked, and SIGINT
-    # keeps Python's handler, which raises KeyboardInterrupt.
+    # In a fresh Python, each script imported, then its tutorial part run as a learner's program.
     (tmp_path / "own_program.py").write_text(
         "import contextlib, io, os, signal, sys, threading\n"
         "import gymnasium, psutil, torch  # first: gymnasium sets a variable\n"

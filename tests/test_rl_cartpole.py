@@ -4,8 +4,8 @@ from conftest import (assert_succeeded, changed_copy, ends_with, episodes, free_
 
 
 def test_an_observer_call_that_times_out_stops_the_run(run, tmp_path):
-    # The agent answers the fifth select_action 20 s late: the observer must not take it for lost,
-    # nor end the episode quietly, which would train on log-probs and rewards that do not match.
+    # The agent answers late: the observer must not take it for lost, nor end the episode quietly,
+    # which would train on log-probs and rewards that do not match.
     line = "    def select_action(self, ob_id, state):\n"
     slow = changed_copy(tmp_path, "rpc_rl_cartpole.py", line, line + "        self.calls = getattr("
                         "self, 'calls', 0) + 1\n        time.sleep(20 if self.calls == 5 else 0)\n")
@@ -20,7 +20,7 @@ def test_an_observer_call_that_times_out_stops_the_run(run, tmp_path):
 
 
 def test_one_command_plays_every_episode_and_one_terminal_per_rank_repeats_them(run):
-    # One observer: the agent alone decides, so the same seed plays the same episodes.
+    # One observer: the agent alone decides.
     flags = ["--max_episodes=10", "--log_interval=1"]
     proc = run("rpc_rl_cartpole.py", "--world_size=2", *flags)
     agent, observer = terminals(run, "rpc_rl_cartpole.py", 2, *flags)
@@ -30,6 +30,6 @@ def test_one_command_plays_every_episode_and_one_terminal_per_rank_repeats_them(
     played, figures = episodes(proc.out), summary(proc.out)
     assert [int(n) for n, *_ in played] == list(range(1, 11)), proc
     assert (figures["episodes"], figures["solved"]) == ("10", "false"), proc
-    # An episode's reward is its length: each step's reward reached the agent.
+    # Each step's reward reached the agent.
     assert int(figures["steps"]) == sum(float(last) for _, last, _ in played), proc
     assert observer.out == "" and episodes(agent.out) == played, (agent, observer)

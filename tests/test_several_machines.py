@@ -10,8 +10,8 @@ from conftest import LIVE, changed_copy, free_port, one_error_line
 
 
 def test_a_vanished_machine_ends_every_process_on_both(run, two_hosts, tmp_path):
-    # DDP, rank 0 on A (which says it has two GPUs: the trainers must agree on the CPU), the
-    # others on B, until A's link goes down: no connection closes, only a timeout can notice.
+    # DDP across A, which says it has GPUs, and B, until A's link goes down: no connection
+    # closes, only a timeout can notice.
     a, b = two_hosts
     gpus = changed_copy(tmp_path, "ddp_rpc_hybrid.py", "import torch\n",
                         "import torch\ntorch.cuda.device_count = lambda: 2\n")
@@ -30,8 +30,7 @@ def test_a_vanished_machine_ends_every_process_on_both(run, two_hosts, tmp_path)
 
 
 def test_a_run_on_one_machine_listens_on_loopback_only(run, two_hosts):
-    # On a host whose hostname resolves to its address: RPC runs what any peer sends, so the
-    # ranks listen on loopback; torch's store, which runs no code, on every address (*).
+    # Its hostname resolves to its address. torch's store, which runs no code, listens on "*".
     netns, _, addr = two_hosts[1]
     hosts = Path(f"/etc/netns/{netns}/hosts")  # what ip netns exec shows as /etc/hosts
     hosts.parent.mkdir(parents=True)
