@@ -32,6 +32,7 @@ def test_a_rank_whose_work_is_done_says_nothing_more(run, tmp_path):
                           "        atexit.register(time.sleep, 4)\n")
     ps, trainer = terminals(run, linger, 2)
     assert_succeeded(ps.wait(), trainer.wait())
+    assert "Summary:" in trainer.out, trainer
 
 
 def test_ranks_of_two_world_sizes_all_end_not_0(run):
