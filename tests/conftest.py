@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # so that tests can import the scripts
 SCRIPTS = ["rpc_parameter_server", "rpc_rl_cartpole", "rpc_rnn_model_parallel", "ddp_rpc_hybrid",
            "rpc_batch_parameter_server", "rpc_batch_cartpole"]
+BANNER = "# --------- Launching ranks"
 # The user's environment but PYTHONUNBUFFERED, with which two ranks' lines may merge; a test that
 # acts on lines as they come sets it (LIVE).
 USER_ENV = {name: value for name, value in os.environ.items() if name != "PYTHONUNBUFFERED"}
@@ -140,10 +141,10 @@ def assert_succeeded(*runs):
         assert each.returncode == 0 and noise == "", each
 
 
-def one_error_line(proc, code=1):
-    """Exit `code` and one `Error on rank` line, returned; no traceback but torch's report of an
+def one_error_line(proc):
+    """Exit 1 and one `Error on rank` line, returned; no traceback but torch's report of an
     exception raised in an RPC that ran here."""
-    assert proc.returncode == code, proc
+    assert proc.returncode == 1, proc
     ours = re.sub(r"(?ms)^On WorkerInfo\(.*?(?=^Error on rank|\Z)", "", proc.err)
     assert "Traceback" not in ours and "frame #" not in ours, proc
     lines = re.findall(r"^Error on rank .*$", proc.err, re.M)

@@ -20,8 +20,8 @@ def run_worker(rank, world_size):
     name = f"trainer_{rank}" if rank else "parameter_server"
     rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)
     if rank:
-        loaders = load_mnist(argparse.Namespace(data_dir=sys.argv[2]))  # noqa: F821 (the copy's)
-        run_training_loop(rank, 0, *loaders)  # noqa: F821
+        loaders = CELL["load_mnist"](argparse.Namespace(data_dir=sys.argv[2]))
+        CELL["run_training_loop"](rank, 0, *loaders)
         print(f"Copied: trainer {rank} trained")
     rpc.shutdown()
 

@@ -1,12 +1,13 @@
 """The tutorial classes as a learner copies them, called as the tutorials call them, in an RPC
-group of one. Each test imports torch: only the worker that runs them loads it."""
+group of one."""
 import functools
 import sys
 import types
+from unittest import mock
 
 import pytest
 
-from conftest import IN_PROCESS, ROOT, free_port
+from conftest import BANNER, IN_PROCESS, ROOT, free_port
 
 pytestmark = IN_PROCESS
 
@@ -24,9 +25,9 @@ def rpc_group():
 
 @functools.cache
 def copied(script):
-    """The script's tutorial part, in a module of its own that RPC finds by name."""
+    """The script's tutorial part, in a module that RPC finds by name."""
     module = sys.modules[f"copied_{script}"] = types.ModuleType(f"copied_{script}")
-    code = (ROOT / f"{script}.py").read_text().split("# --------- Launching ranks")[0]
+    code = (ROOT / f"{script}.py").read_text().split(BANNER)[0]
     exec(code, module.__dict__)
     return module
 
@@ -104,8 +105,7 @@ def test_hybrid_model_takes_a_rank_or_a_device():
     table = hybrid.RemoteModule("parameter_server", torch.nn.EmbeddingBag, args=(100, 16),
                                 kwargs={"mode": "sum"})
     assert hybrid.HybridModel(table, 0).device.type == rank_0
-    model = hybrid.HybridModel(table, "cpu")
-    assert model(torch.tensor([1, 2, 3, 4]), torch.tensor([0, 2])).shape == (2, 8)
+    assert hybrid.HybridModel(table, "cpu").device.type == "cpu"
     losses, fc_weights = hybrid._run_trainer(table, 0, epochs=2)  # the tutorial's call
     assert len(losses) == 2 and set(fc_weights) == {"weight", "bias"}
 
@@ -144,3 +144,18 @@ def test_batch_agent_answers_each_observer_from_one_policy_run():
     second = call(args=(agent.agent_rref, 1, torch.zeros(1, 4)))
     assert (first.wait(), second.wait()) == (1, 0), "each observer should get its state's action"
     assert len(agent.saved_log_probs) == 1 and agent.saved_log_probs[0].shape == (2,)
+
+
+def test_agent_without_batching_weighs_each_action_by_its_observers_returns():
+    import torch
+
+    agent = copied("rpc_batch_cartpole").Agent(1, batch=False)  # two observers faked here
+    returns = torch.tensor([[1.0, 3.0], [2.0, 4.0]])  # steps by observers
+    log_probs = torch.zeros(2, 2, requires_grad=True)
+    agent.saved_log_probs = {ob: list(log_probs[:, ob:ob + 1]) for ob in (0, 1)}
+    agent.ob_rrefs = [mock.Mock(), mock.Mock()]
+    for ob, rref in enumerate(agent.ob_rrefs):  # its episode has ended with these returns
+        rref.rpc_async().run_episode.return_value = episode = torch.futures.Future()
+        episode.set_result([returns[:, ob], 2])
+    agent.run_episode(n_steps=2)
+    torch.testing.assert_close(log_probs.grad, -returns / 2)  # the mean over observers

@@ -1,4 +1,3 @@
-"""Bad flag values: exit 2 and a line naming the flag and its range; --help explains each flag."""
 import importlib
 import re
 
@@ -17,22 +16,21 @@ CASES = [  # the shared flags in one script: the launching section is one text (
         (["--seed=-1"], "argument --seed: -1 is not in [0, inf]"),
         (["--world=3"], "unrecognized arguments: --world=3"),  # no prefix matching
     ]] + [  # each script's world sizes and own flags
-    (script, [f"--{flag}={value}"], f"argument --{flag}{alias}: {value} is not in {room}")
-    for script, flag, alias, value, room in [
-        ("rpc_rnn_model_parallel", "world_size", "/--world-size", 3, "[2, 2]"),
-        ("rpc_parameter_server", "world_size", "/--world-size", 1, "[2, inf]"),
-        ("rpc_rl_cartpole", "world_size", "/--world-size", 1, "[2, inf]"),
-        ("ddp_rpc_hybrid", "world_size", "/--world-size", 2, "[3, inf]"),
-        ("rpc_batch_parameter_server", "world_size", "/--world-size", 1, "[2, inf]"),
-        ("rpc_batch_cartpole", "world_size", "/--world-size", 1, "[2, inf]"),
-        ("rpc_parameter_server", "num_gpus", "", 3, "[0, 2]"),
-        ("rpc_parameter_server", "epochs", "", 0, "[1, inf]"),
-        ("ddp_rpc_hybrid", "epochs", "", 0, "[1, inf]"),
-        ("rpc_rl_cartpole", "log_interval", "", 0, "[1, inf]"),
-        ("rpc_rl_cartpole", "max_episodes", "", -3, "[0, inf]"),
-        ("rpc_rl_cartpole", "gamma", "", 1.5, "[0, 1]"),
-        ("rpc_batch_parameter_server", "batches", "", 0, "[1, inf]"),
-        ("rpc_batch_cartpole", "n_steps", "", 0, "[1, inf]")]]
+    (script, [f"--world_size={n}"], f"argument --world_size/--world-size: {n} is not in {room}")
+    for script, n, room in [
+        ("rpc_rnn_model_parallel", 3, "[2, 2]"), ("rpc_parameter_server", 1, "[2, inf]"),
+        ("rpc_rl_cartpole", 1, "[2, inf]"), ("ddp_rpc_hybrid", 2, "[3, inf]"),
+        ("rpc_batch_parameter_server", 1, "[2, inf]"), ("rpc_batch_cartpole", 1, "[2, inf]")]] + [
+    (script, [f"--{flag}={value}"], f"argument --{flag}: {value} is not in {room}")
+    for script, flag, value, room in [
+        ("rpc_parameter_server", "num_gpus", 3, "[0, 2]"),
+        ("rpc_parameter_server", "epochs", 0, "[1, inf]"),
+        ("ddp_rpc_hybrid", "epochs", 0, "[1, inf]"),
+        ("rpc_rl_cartpole", "gamma", 1.5, "[0, 1]"),
+        ("rpc_rl_cartpole", "log_interval", 0, "[1, inf]"),
+        ("rpc_rl_cartpole", "max_episodes", -3, "[0, inf]"),
+        ("rpc_batch_parameter_server", "batches", 0, "[1, inf]"),
+        ("rpc_batch_cartpole", "n_steps", 0, "[1, inf]")]]
 
 
 @pytest.mark.parametrize("script, argv, problem", CASES,

@@ -1,4 +1,3 @@
-"""ddp_rpc_hybrid.py: DDP trainers, a master and a parameter server, on CPU."""
 import re
 
 import pytest

@@ -83,32 +83,23 @@ def test_an_address_that_does_not_resolve_is_named_at_once(run, rank):
     assert "): cannot resolve --master_addr nosuch.host.invalid\n" in proc.err, proc
 
 
-@pytest.fixture
-def no_gpu(gpus):
-    """--num_gpus one more than this host has, and the parameter server's line for it."""
+@IN_PROCESS
+def test_a_gpu_that_is_not_there_ends_rank_0_at_once_and_its_peers_wait(run, gpus):
+    # Rank 1 cannot tell a rank 0 that failed from one not started yet.
     if gpus >= 2:
         pytest.skip("this host has 2 GPUs or more: --num_gpus allows at most 2")
-    return f"--num_gpus={gpus + 1}", (f"Error on rank 0 (parameter_server): ValueError: "
-                                      f"--num_gpus {gpus + 1} is more GPUs than the parameter "
-                                      f"server has ({gpus})")
-
-
-@IN_PROCESS
-def test_a_gpu_that_is_not_there_ends_the_one_command_at_once(run, no_gpu):
-    # The trainer may say that it lost rank 0 before the launcher stops it.
-    proc = run("rpc_parameter_server.py", "--world_size=2", no_gpu[0], *TIMEOUT).wait(AT_ONCE)
+    common, gpu = ["rpc_parameter_server.py", "--world_size=2"], f"--num_gpus={gpus + 1}"
+    one_command = run(*common, gpu, *TIMEOUT)
+    common += ["--master_port", free_port()]
+    ps, trainer = run(*common, "--rank=0", gpu, *TIMEOUT), run(*common, "--rank=1", "--timeout=2")
+    line = (f"Error on rank 0 (parameter_server): ValueError: --num_gpus {gpus + 1} is more GPUs "
+            f"than the parameter server has ({gpus})")
+    ends_with(ps, line)
+    # In one command, the trainer may say that it lost rank 0 before the launcher stops it.
     lost = "Error on rank 1 (trainer_1): cannot reach rank 0 (parameter_server)\n"
-    assert proc.err.replace(lost, "") == f"{no_gpu[1]}\nRank 0 ended (exit code 1).\n", proc
-    assert (proc.returncode, proc.out) == (1, ""), proc
-
-
-@IN_PROCESS
-def test_a_rank_0_that_fails_before_meeting_ends_at_once_and_its_peers_wait(run, no_gpu):
-    # Rank 1 cannot tell a rank 0 that failed from one not started yet.
-    common = ["rpc_parameter_server.py", "--world_size=2", "--master_port", free_port()]
-    ps = run(*common, "--rank=0", no_gpu[0], *TIMEOUT)
-    trainer = run(*common, "--rank=1", "--timeout=2")
-    ends_with(ps, no_gpu[1])
+    err = one_command.wait(AT_ONCE).err.replace(lost, "")
+    assert (one_command.returncode, one_command.out, err) == (
+        1, "", f"{line}\nRank 0 ended (exit code 1).\n"), one_command
     ends_with(trainer, "Error on rank 1 (trainer_1): not all ranks met", 5 * 2 + AT_ONCE)
 
 
@@ -152,14 +143,18 @@ def test_ctrl_c_or_kill_as_the_ranks_start_ends_every_process(run, stop):
     assert "Traceback" not in launcher.err and (stop == signal.SIGTERM or launcher.err == "")
 
 
-def test_a_trainer_that_raises_ends_the_one_command_naming_it(run, tmp_path):
-    # DDP: the master names trainer 1 while trainer 0 still waits on it.
+@pytest.mark.parametrize("bug, timeout, cause", [  # while the other trainer waits on it in DDP
+    ("raise ValueError('trainer bug')", 120, "rank 1 (trainer1): ValueError('trainer bug')\n"),
+    # Alive, it answers the watch: trainer 0's all-reduce gives up after 5 * --timeout.
+    ("time.sleep(10 ** 6)", 4, "rank 0 (trainer0): RuntimeError(")], ids=["raises", "stalls"])
+def test_a_trainer_that_raises_or_stalls_ends_the_one_command_naming_it(run, tmp_path, bug,
+                                                                         timeout, cause):
     line = '        print(f"Training done for epoch {epoch} loss'
-    bug = "        if (rank, epoch) == (1, 1):\n            raise ValueError('trainer bug')\n"
-    raising = changed_copy(tmp_path, "ddp_rpc_hybrid.py", line, bug + line)
-    launcher = run(raising, "--epochs", 10 ** 5, *TIMEOUT).wait(2 * AT_ONCE)
+    faulty = changed_copy(tmp_path, "ddp_rpc_hybrid.py", line,
+                          f"        if (rank, epoch) == (1, 1):\n            {bug}\n{line}")
+    launcher = run(faulty, "--epochs", 10 ** 5, "--timeout", timeout).wait(2 * AT_ONCE)
     assert launcher.returncode == 1 and all_gone(launcher), launcher
-    assert "rank 2 (master): rank 1 (trainer1): ValueError('trainer bug')\n" in launcher.err
+    assert f"rank 2 (master): {cause}" in launcher.err, launcher
     ranks = re.findall(r"^Error on rank (\d)", launcher.err, re.M)
     assert len(ranks) == len(set(ranks)), launcher  # at most one line each
     assert launcher.err.strip().splitlines()[-1] == "Rank 2 ended (exit code 1).", launcher

@@ -1,4 +1,3 @@
-"""The GPU paths, skipped where the host has fewer GPUs than a test needs."""
 import pytest
 
 from conftest import IN_PROCESS, assert_succeeded

@@ -1,4 +1,3 @@
-"""rpc_parameter_server.py on tiny MNIST."""
 import re
 
 from conftest import (ROOT, assert_succeeded, changed_copy, ends_with, free_port, one_error_line,

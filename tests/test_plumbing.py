@@ -1,7 +1,4 @@
-"""What the scripts share: one launching section, and a tutorial part that starts nothing."""
-from conftest import ROOT, SCRIPTS, assert_succeeded
-
-BANNER = "# --------- Launching ranks"
+from conftest import BANNER, ROOT, SCRIPTS, assert_succeeded
 
 
 def test_the_launching_section_is_one_text_in_every_script():

@@ -1,4 +1,3 @@
-"""README.md: its commands, and each script's picture."""
 import importlib
 import re
 import shlex

@@ -1,4 +1,3 @@
-"""rpc_rl_cartpole.py: an agent and observers playing CartPole-v1 over RPC."""
 from conftest import (assert_succeeded, changed_copy, ends_with, episodes, free_port, listening,
                       one_error_line, summary, terminals)
 

@@ -1,4 +1,3 @@
-"""rpc_rnn_model_parallel.py: an RNN split between a parameter server and a trainer."""
 import re
 
 from conftest import ROOT, assert_succeeded, summary, terminals
