@@ -108,7 +108,7 @@ def _run_trainer(remote_emb_module, rank, epochs=100, device=None):  # None: the
 
 def run_worker(rank, world_size, args):  # args: the flags; the tutorial has none
     trainers = range(world_size - 2)  # the tutorial's ranks 0 and 1, for any world size
-    # One port for the tutorial's 29500 (DDP) and 29501 (RPC): one store serves both.
+    # Both meet at MASTER_ADDR:MASTER_PORT (one store), the tutorial's at localhost:29500 and 29501.
     with meeting(rank, args):
         if rank in trainers:
             # The timeout bounds DDP's collectives, else 30 minutes.
